@@ -1,0 +1,44 @@
+"""dflash2: lossless asynchronous speculative decoding for Hugging Face causal LMs."""
+
+from dflash2.api import Model, load
+from dflash2.config import GenerationConfig, SamplingConfig, SpeculativeConfig
+from dflash2.errors import (
+    ContextLengthError,
+    DFlash2Error,
+    DrafterError,
+    InvalidOptionError,
+    InvalidPromptError,
+    MissingDependencyError,
+    ModelNotFoundError,
+    OfflineModelError,
+    StreamStateError,
+    TokenizerMismatchError,
+    UnsupportedModelError,
+)
+from dflash2.stream import Completion, Stats, Token, TokenStream
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Completion",
+    "ContextLengthError",
+    "DFlash2Error",
+    "DrafterError",
+    "GenerationConfig",
+    "InvalidOptionError",
+    "InvalidPromptError",
+    "MissingDependencyError",
+    "Model",
+    "ModelNotFoundError",
+    "OfflineModelError",
+    "SamplingConfig",
+    "SpeculativeConfig",
+    "Stats",
+    "StreamStateError",
+    "Token",
+    "TokenStream",
+    "TokenizerMismatchError",
+    "UnsupportedModelError",
+    "__version__",
+    "load",
+]

@@ -1,0 +1,127 @@
+"""``dflash2.load()`` and ``Model``: the public entry points."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from dflash2.config import parse_generation_options
+from dflash2.engine import SyncPipeline
+from dflash2.errors import ContextLengthError, InvalidOptionError, StreamStateError
+from dflash2.runtime.device import resolve_device, resolve_dtype
+from dflash2.runtime.loader import load_decoder, load_eos_ids, load_tokenizer, resolve_checkpoint
+from dflash2.runtime.model import Decoder
+from dflash2.stream import Completion, TokenStream
+from dflash2.tokenize import encode_prompt
+
+
+class Model:
+    """A loaded target model (and, later, its drafter). Safe to share between concurrent streams."""
+
+    def __init__(
+        self,
+        target: Decoder,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_token_ids: frozenset[int],
+        name: str,
+        checkpoint: Path,
+    ) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.name = name
+        self.checkpoint = checkpoint  # the local directory the weights were read from
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.target.dtype
+
+    @property
+    def max_context(self) -> int:
+        return self.target.spec.max_position_embeddings
+
+    def __repr__(self) -> str:
+        return f"Model({self.name!r}, device={self.device}, dtype={self.dtype})"
+
+    def stream(self, prompt: Any, **options: Any) -> TokenStream:
+        """Start generating; iterate the returned stream with ``async for``.
+
+        Options: ``max_new_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seed``,
+        ``stop`` (strings), ``pipeline`` (``"async"`` or ``"sync"``).
+        """
+        config, sampling = parse_generation_options(options)
+        prompt_ids = encode_prompt(self.tokenizer, prompt)
+        needed = len(prompt_ids) + config.max_new_tokens
+        if needed > self.max_context:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_ids)} tokens and max_new_tokens is {config.max_new_tokens}: "
+                f"{needed} > the model's context of {self.max_context}. Shorten the prompt or lower max_new_tokens."
+            )
+        source = SyncPipeline(self.target, prompt_ids, config, sampling)
+        return TokenStream(source, self.tokenizer, len(prompt_ids), config, self.eos_token_ids)
+
+    async def agenerate(self, prompt: Any, **options: Any) -> Completion:
+        """Generate to the end and return the :class:`Completion`."""
+        async with self.stream(prompt, **options) as stream:
+            async for _ in stream:
+                pass
+        return stream.completion
+
+    def generate(self, prompt: Any, **options: Any) -> Completion:
+        """Blocking version of :meth:`agenerate` for scripts (not inside a running event loop)."""
+        if _inside_event_loop():
+            raise StreamStateError(
+                "generate() blocks and cannot run inside a running event loop (Jupyter, asyncio, trio); "
+                "use `await model.agenerate(...)` or `async for tok in model.stream(...)` instead."
+            )
+        return anyio.run(functools.partial(self.agenerate, prompt, **options))
+
+
+def _inside_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return False
+    try:
+        trio.lowlevel.current_task()
+        return True
+    except RuntimeError:
+        return False
+
+
+def load(
+    target: str | os.PathLike[str],
+    drafter: Any = None,
+    *,
+    device: str | torch.device = "auto",
+    dtype: str | torch.dtype = "auto",
+) -> Model:
+    """Load a target model from a hub id, a local directory or a ``.gguf`` file."""
+    if not isinstance(target, (str, os.PathLike)):
+        raise InvalidOptionError(f"target must be a hub id or a path, not {type(target).__name__}.")
+    if drafter is not None:
+        raise InvalidOptionError("speculative drafters are not available in this version; pass drafter=None.")
+    resolved_device = resolve_device(device)
+    resolved_dtype = resolve_dtype(dtype, resolved_device)
+    checkpoint = resolve_checkpoint(target)
+    decoder = load_decoder(checkpoint, resolved_dtype, resolved_device)
+    decoder.pack([1])
+    tokenizer = load_tokenizer(checkpoint)
+    eos = load_eos_ids(checkpoint, decoder.spec)
+    return Model(decoder, tokenizer, eos, name=Path(str(target)).name or str(target), checkpoint=checkpoint)

@@ -1,0 +1,203 @@
+"""Find a checkpoint (hub id, local dir or ``.gguf`` file) and load it with safetensors.
+
+A hub id goes through ``huggingface_hub.snapshot_download`` (its cache, ``HF_HUB_OFFLINE``);
+a ``.gguf`` file is dequantized once through transformers' GGUF support and cached as
+safetensors under the dflash2 cache dir, so the next load reads plain safetensors.
+Weights are never unpickled and ``trust_remote_code`` is never enabled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from dflash2.errors import (
+    MissingDependencyError,
+    ModelNotFoundError,
+    OfflineModelError,
+    UnsupportedModelError,
+)
+from dflash2.runtime.model import Decoder
+from dflash2.runtime.spec import SUPPORTED_MODEL_TYPES, ModelSpec
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+_TRUTHY = {"1", "true", "yes", "on"}
+
+
+def cache_dir() -> Path:
+    """Where dflash2 keeps converted checkpoints: ``$DFLASH2_CACHE`` or ``~/.cache/dflash2``."""
+    if env := os.environ.get("DFLASH2_CACHE"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dflash2"
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUTHY
+
+
+def resolve_checkpoint(source: str | os.PathLike[str]) -> Path:
+    """Return a local directory holding ``config.json``, safetensors weights and tokenizer files."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} has no config.json; point to a Hugging Face model directory.")
+        return path
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return gguf_to_safetensors(path)
+        raise ModelNotFoundError(f"{path} is a file; pass a model directory, a .gguf file or a hub id.")
+    text = str(source)
+    if text.lower().endswith(".gguf") or text.startswith((".", "/", "~")) or not _HUB_ID.match(text):
+        raise ModelNotFoundError(f"no model at {text!r}: the path does not exist. Check the path or pass a hub id.")
+    return _snapshot(text)
+
+
+def _hub_cache() -> Path:
+    if env := os.environ.get("HF_HUB_CACHE"):
+        return Path(env)
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return Path(home) / "hub"
+
+
+def _snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = hub_offline()
+    try:
+        local = snapshot_download(repo_id, cache_dir=_hub_cache(), allow_patterns=_HUB_FILES, local_files_only=offline)
+    except GatedRepoError as err:
+        raise ModelNotFoundError(
+            f"{repo_id} is gated: accept its licence on the hub and log in (`hf auth login`)."
+        ) from err
+    except RepositoryNotFoundError as err:
+        raise ModelNotFoundError(f"no model {repo_id!r} on the hub; check the id or pass a local path.") from err
+    except LocalEntryNotFoundError as err:
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
+        raise OfflineModelError(
+            f"{repo_id} is not in the local hub cache ({_hub_cache()}) and {why}. Download it once while "
+            "online (unset HF_HUB_OFFLINE), or pass a local directory or .gguf file instead."
+        ) from err
+    return Path(str(local))
+
+
+# ---------------------------------------------------------------- GGUF
+def gguf_to_safetensors(gguf: Path) -> Path:
+    """Dequantize a GGUF file once; return the cached safetensors directory."""
+    target = cache_dir() / "gguf" / f"{gguf.stem}-{_file_fingerprint(gguf)}"
+    if (target / "config.json").is_file():
+        return target
+    try:
+        import gguf as _gguf  # noqa: F401
+    except ImportError as err:
+        raise MissingDependencyError(
+            "loading .gguf files needs the 'gguf' package: pip install 'dflash2[gguf]'"
+        ) from err
+    from transformers import AutoModelForCausalLM
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(f"{gguf.name} holds a {config.model_type!r} model, which is not supported.")
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        data = config.to_dict()
+        data.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(data, indent=2))
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _file_fingerprint(path: Path, chunk: int = 1 << 20) -> str:
+    """Hash of the size and the first and last MiB: cheap, and changes when the file does."""
+    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    with path.open("rb") as f:
+        digest.update(f.read(chunk))
+        f.seek(max(0, path.stat().st_size - chunk))
+        digest.update(f.read(chunk))
+    return digest.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- config, weights, tokenizer
+def read_config(checkpoint: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((checkpoint / "config.json").read_text())
+    return data
+
+
+def load_hf_config(checkpoint: Path) -> PretrainedConfig:
+    model_type = read_config(checkpoint).get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{checkpoint} is a {model_type!r} model; dflash2 runs {', '.join(SUPPORTED_MODEL_TYPES)} decoders."
+        )
+    config: PretrainedConfig = AutoConfig.from_pretrained(checkpoint, trust_remote_code=False)
+    return config
+
+
+def load_safetensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a single-file or sharded (``model.safetensors.index.json``) checkpoint."""
+    index = checkpoint / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in checkpoint.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(
+            f"{checkpoint} has no *.safetensors weights (dflash2 never loads pickled .bin files); "
+            "convert the checkpoint with transformers' save_pretrained(safe_serialization=True)."
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(checkpoint / name), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def load_decoder(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> Decoder:
+    spec = ModelSpec.from_hf_config(load_hf_config(checkpoint))
+    tensors = load_safetensors(checkpoint)
+    try:
+        return Decoder.from_hf_state(spec, tensors, dtype, device)
+    except KeyError as err:
+        raise UnsupportedModelError(f"{checkpoint}: weight {err} is missing; the checkpoint is incomplete.") from err
+
+
+def load_tokenizer(checkpoint: Path) -> PreTrainedTokenizerBase:
+    try:
+        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
+    except (OSError, ValueError) as err:
+        raise ModelNotFoundError(f"{checkpoint} has no usable tokenizer files: {err}") from err
+    return tokenizer
+
+
+def load_eos_ids(checkpoint: Path, spec: ModelSpec) -> frozenset[int]:
+    """EOS ids as ``transformers.generate`` uses them: generation_config.json first, else config.json."""
+    generation = checkpoint / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        if eos is not None:
+            return frozenset(eos if isinstance(eos, list) else [eos])
+    return frozenset(spec.eos_token_ids)

@@ -1,0 +1,274 @@
+"""A Llama / Qwen2 / Qwen3 decoder on ``scaled_dot_product_attention`` with a static KV cache.
+
+One readable file in the spirit of gpt-fast: RMSNorm, RoPE, grouped-query attention (with
+q/k-norm for Qwen3), SwiGLU MLP, tied or untied LM head. q/k/v and gate/up projections are
+fused into one matrix each. The forward takes a block of T new tokens at once (prefill,
+decoding, verification of a draft), writes their keys/values into the cache and can return
+the hidden states of chosen layers for exactly those tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash2.runtime.kv_cache import KVCache
+from dflash2.runtime.linear import Linear
+from dflash2.runtime.spec import ModelSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm bit-identical to transformers: fp32 statistics, weight applied in the input dtype."""
+    if x.dtype == torch.float32:  # the fused kernel gives the same bits in fp32
+        return F.rms_norm(x, weight.shape, weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, T, H, D] by the tables [T, 1, D] of its positions.
+
+    Equals transformers' ``x * cos + rotate_half(x) * sin``: ``rotate_half(x)`` is ``roll(x)``
+    with the first half negated, and that sign lives in ``signed_sin`` instead.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def block_causal_mask(start: int, new: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask [new, start + new]: token i of the block sees cache positions <= start + i."""
+    if new == 1:
+        return None
+    cols = torch.arange(start + new, device=device)
+    rows = torch.arange(start, start + new, device=device)
+    return cols[None, :] <= rows[:, None]
+
+
+class RotaryTable(nn.Module):
+    """cos/sin for every position up to the context length, precomputed once."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+        super().__init__()
+        with torch.device("cpu"):  # real values even when the model is built on "meta"
+            inv_freq, scaling = spec.rope_inv_freq()
+            positions = torch.arange(spec.max_position_embeddings, dtype=torch.int64).float()
+            freqs = positions[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos = (emb.cos() * scaling).to(dtype)
+            sin = (emb.sin() * scaling).to(dtype)
+            half = sin.shape[-1] // 2
+            signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.cos: torch.Tensor
+        self.signed_sin: torch.Tensor
+        self.register_buffer("cos", cos[:, None, :], persistent=False)
+        self.register_buffer("signed_sin", signed_sin[:, None, :], persistent=False)
+
+    def forward(self, start: int, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables [new, 1, head_dim] for positions ``start .. start + new - 1``."""
+        return self.cos[start : start + new], self.signed_sin[start : start + new]
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.eps = spec.rms_norm_eps
+        qkv_out = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+        self.qkv = Linear(spec.hidden_size, qkv_out, bias=spec.attention_bias)
+        self.o = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
+        self.q_norm = nn.Parameter(torch.ones(spec.head_dim)) if spec.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(spec.head_dim)) if spec.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        layer: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        h, kvh = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).view(b, t, h + 2 * kvh, self.head_dim)
+        qk, v = qkv[:, :, : h + kvh], qkv[:, :, h + kvh :]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([h, kvh], dim=2)
+            qk = torch.cat((rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)), dim=2)
+        qk = apply_rope(qk, *rope)  # q and k rotated in one go
+        q, k = qk[:, :, :h], qk[:, :, h:]
+        keys, values = cache.write(layer, k.transpose(1, 2), v.transpose(1, 2))
+        # Grouped-query attention without repeating keys: the query heads sharing a kv head are
+        # folded into the query axis, [B, kv_heads, group * T, D], and the mask repeated to match.
+        group = h // kvh
+        q = q.reshape(b, t, kvh, group, self.head_dim).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, -1)
+        if mask is not None and group > 1:
+            mask = mask.repeat(group, 1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out = out.view(b, kvh, group, t, self.head_dim).permute(0, 3, 1, 2, 4).reshape(b, t, -1)
+        return self.o(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.gate_up = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.eps = spec.rms_norm_eps
+        self.attn_norm = nn.Parameter(torch.ones(spec.hidden_size))
+        self.attn = Attention(spec)
+        self.mlp_norm = nn.Parameter(torch.ones(spec.hidden_size))
+        self.mlp = MLP(spec)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        layer: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), rope, cache, layer, mask)
+        return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps))
+
+
+@dataclass
+class ForwardOutput:
+    """Logits of the requested positions and the captured hidden states."""
+
+    logits: torch.Tensor | None  # [B, T or 1, vocab]
+    hidden: torch.Tensor | None  # [B, T, len(capture) * hidden], outputs of the captured layers
+
+
+class Decoder(nn.Module):
+    """The whole causal LM. Build with :meth:`from_hf_state`, run with :meth:`forward`."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = nn.Parameter(torch.ones(spec.hidden_size))
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = cast(nn.Parameter, self.embed_tokens.weight)
+        self.rope = RotaryTable(spec, dtype)
+        self.to(dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.dtype
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        s = self.spec
+        return KVCache(
+            s.num_layers, s.num_kv_heads, s.head_dim, capacity, batch=batch, dtype=self.dtype, device=self.device
+        )
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def pack(self, row_counts: Iterable[int]) -> None:
+        """Pre-pack every projection for these forward sizes (see :mod:`dflash2.runtime.linear`)."""
+        rows = tuple(row_counts)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack(rows)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache,
+        *,
+        logits: str = "all",
+        capture: Sequence[int] = (),
+    ) -> ForwardOutput:
+        """Run T new tokens [B, T] after the ``cache.length`` cached ones and advance the cache.
+
+        ``logits``: ``"all"`` (every new position), ``"last"`` or ``"none"``.
+        ``capture``: layer ids whose outputs are returned for the new tokens, concatenated along
+        the feature axis; layer i gives transformers' ``hidden_states[i + 1]`` (so the last
+        layer's comes after the final norm, as there).
+        """
+        start, new = cache.length, input_ids.shape[1]
+        cache.check_room(new)
+        x = self.embed(input_ids)
+        rope = self.rope(start, new)
+        mask = block_causal_mask(start, new, x.device)
+        wanted = set(capture)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, cache, i, mask)
+            if i in wanted:
+                captured[i] = x
+        cache.advance(new)
+        last = len(self.layers) - 1
+        normed = self.final_norm(x) if logits == "all" or last in wanted else None
+        if normed is not None and last in wanted:
+            captured[last] = normed  # transformers' last hidden state is after the final norm
+        hidden = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        if logits == "none":
+            return ForwardOutput(None, hidden)
+        if logits == "last":
+            normed = self.final_norm(x[:, -1:]) if normed is None else normed[:, -1:]
+        return ForwardOutput(self.lm_head(normed), hidden)
+
+    # ---------------------------------------------------------------- weights
+    @classmethod
+    def from_hf_state(
+        cls, spec: ModelSpec, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> Decoder:
+        """Build from transformers parameter names (``model.layers.0.self_attn.q_proj.weight``, ...)."""
+        with torch.device("meta"):
+            model = cls(spec, dtype)
+        state = _fuse_hf_state(spec, tensors)
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+        if spec.tie_word_embeddings:
+            model.lm_head.weight = cast(nn.Parameter, model.embed_tokens.weight)
+        return model.to(device).eval().requires_grad_(False)
+
+
+def _fuse_hf_state(spec: ModelSpec, t: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map transformers names onto ours, concatenating q/k/v and gate/up."""
+    out: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": t["model.embed_tokens.weight"],
+        "norm": t["model.norm.weight"],
+    }
+    out["lm_head.weight"] = out["embed_tokens.weight"] if spec.tie_word_embeddings else t["lm_head.weight"]
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        q = f"layers.{i}."
+        out[q + "attn_norm"] = t[p + "input_layernorm.weight"]
+        out[q + "mlp_norm"] = t[p + "post_attention_layernorm.weight"]
+        out[q + "attn.qkv.weight"] = torch.cat([t[a + f"{n}_proj.weight"] for n in "qkv"])
+        if spec.attention_bias:
+            out[q + "attn.qkv.bias"] = torch.cat([t[a + f"{n}_proj.bias"] for n in "qkv"])
+        out[q + "attn.o.weight"] = t[a + "o_proj.weight"]
+        if spec.qk_norm:
+            out[q + "attn.q_norm"] = t[a + "q_norm.weight"]
+            out[q + "attn.k_norm"] = t[a + "k_norm.weight"]
+        m = p + "mlp."
+        out[q + "mlp.gate_up.weight"] = torch.cat([t[m + "gate_proj.weight"], t[m + "up_proj.weight"]])
+        out[q + "mlp.down.weight"] = t[m + "down_proj.weight"]
+    return out

@@ -1,0 +1,106 @@
+"""``ModelSpec``: the decoder shape read from a transformers config, validated once."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from dflash2.errors import UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# RoPE types whose inverse frequencies do not change with the sequence length.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the runtime needs to build a decoder; derived from a HF config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    rope_type: str
+    eos_token_ids: tuple[int, ...]
+    hf_config: PretrainedConfig
+
+    @classmethod
+    def from_hf_config(cls, config: PretrainedConfig) -> ModelSpec:
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported; dflash2 runs "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} decoders. Pick a checkpoint of one of those families."
+            )
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu').")
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise UnsupportedModelError(
+                "sliding-window attention layers are not supported yet; use a checkpoint with use_sliding_window=false."
+            )
+        rope = _rope_parameters(config)
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope_type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}."
+            )
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        eos = config.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(config.rms_norm_eps),
+            max_position_embeddings=int(config.max_position_embeddings),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama and Qwen3 read `attention_bias`.
+            attention_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            rope_type=rope_type,
+            eos_token_ids=eos_ids,
+            hf_config=config,
+        )
+
+    def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies and attention scaling, computed exactly as transformers does."""
+        if self.rope_type == "default":
+            theta = _rope_parameters(self.hf_config)["rope_theta"]
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+            return 1.0 / (theta**exponents), 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self.hf_config, torch.device("cpu"))
+        return inv_freq.float(), float(scaling)
+
+
+def _rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None)
+    if params is None:  # transformers < 5 keeps rope_theta / rope_scaling apart
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    if not math.isfinite(float(params.get("rope_theta", 10000.0))):
+        raise UnsupportedModelError("rope_theta must be a finite number.")
+    return params

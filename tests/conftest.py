@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random checkpoints and the real SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import save_tiny
+
+_CACHE = Path(tempfile.mkdtemp(prefix="dflash2-test-cache-"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Never touch the user's caches; every conversion in the test run starts from scratch.
+    os.environ["DFLASH2_CACHE"] = str(_CACHE)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: save_tiny(root / arch, arch) for arch in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dirs: dict[str, Path]) -> Any:
+    import dflash2
+
+    return dflash2.load(tiny_dirs["llama"], device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from dflash2.demo_model import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf: Path) -> Any:
+    """dflash2's SmolLM2, loaded through the GGUF path (converted into the test cache)."""
+    import dflash2
+
+    return dflash2.load(smollm2_gguf, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf: Path) -> Iterator[Any]:
+    """The reference: transformers' own model, dequantized by transformers from the same GGUF."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32)
+    yield model.eval()
