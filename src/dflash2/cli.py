@@ -1,4 +1,4 @@
-"""The ``dflash2`` command: ``demo`` and ``generate``."""
+"""The ``dflash2`` command: ``demo``, ``generate`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -59,6 +59,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(_summary("dflash2", completion), file=sys.stderr)
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from dflash2.bench.run import main as bench_main
+
+    bench_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash2", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
     gen.set_defaults(func=cmd_generate)
+
+    from dflash2.bench.run import add_arguments
+
+    bench = sub.add_parser("bench", help="benchmark dflash2 against its peers (writes docs/benchmarks.md)")
+    add_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -1,0 +1,142 @@
+"""Run a matrix of runners over the same prompts; every output is checked against the reference."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from dflash2.bench.data import Prompt
+from dflash2.bench.runners import Runner, RunResult
+
+
+@dataclass
+class Row:
+    """Aggregate of one runner on one dataset."""
+
+    config: str
+    group: str
+    dataset: str
+    prompts: int
+    new_tokens: int
+    seconds: float
+    identical: int
+    tokens_per_second: float = 0.0
+    speedup: float = 0.0
+    mean_acceptance_length: float | None = None
+    time_to_first_token_s: float | None = None
+    overlap: float | None = None
+    bubble: float | None = None
+    acceptance_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def all_identical(self) -> bool:
+        return self.identical == self.prompts
+
+
+def run_matrix(
+    runners: Sequence[Runner],
+    prompts: Sequence[Prompt],
+    encode: Any,
+    max_new_tokens: int,
+    reference: str,
+    warmup: int = 1,
+    progress: bool = True,
+) -> list[Row]:
+    """Each prompt goes through every runner in turn (interleaved, so drift hits all alike).
+
+    ``reference`` names the runner whose outputs define "identical" (transformers plain greedy).
+    The first ``warmup`` prompts run once through every runner untimed.
+    """
+    names = [r.name for r in runners]
+    if reference not in names:
+        raise ValueError(f"reference {reference!r} is not among the runners {names}")
+    for prompt in prompts[:warmup]:
+        ids = encode(prompt.prompt)
+        for runner in runners:
+            runner.run(prompt.prompt, ids, min(16, max_new_tokens))
+    results: dict[tuple[str, str], list[tuple[RunResult, bool]]] = {}
+    bar = tqdm(total=len(prompts) * len(runners), disable=not progress, desc="bench", unit="run")
+    for prompt in prompts:
+        ids = encode(prompt.prompt)
+        outputs = {}
+        for runner in runners:
+            outputs[runner.name] = runner.run(prompt.prompt, ids, max_new_tokens)
+            bar.update()
+        expected = outputs[reference].token_ids
+        for runner in runners:
+            out = outputs[runner.name]
+            results.setdefault((runner.name, prompt.dataset), []).append((out, out.token_ids == expected))
+    bar.close()
+    rows = [
+        _aggregate(runner, dataset, results[(runner.name, dataset)])
+        for dataset in dict.fromkeys(p.dataset for p in prompts)
+        for runner in runners
+    ]
+    for row in rows:
+        base = next(r for r in rows if r.config == reference and r.dataset == row.dataset)
+        row.speedup = row.tokens_per_second / base.tokens_per_second if base.tokens_per_second else 0.0
+    return rows
+
+
+def _aggregate(runner: Runner, dataset: str, runs: list[tuple[RunResult, bool]]) -> Row:
+    tokens = sum(len(r.token_ids) for r, _ in runs)
+    seconds = sum(r.seconds for r, _ in runs)
+    lengths = [n for r, _ in runs for n in r.acceptance_lengths]
+    ttfts = [r.time_to_first_token_s for r, _ in runs if r.time_to_first_token_s is not None]
+    overlaps = [r.overlap for r, _ in runs if r.overlap is not None]
+    bubbles = [r.bubble for r, _ in runs if r.bubble is not None]
+    return Row(
+        config=runner.name,
+        group=runner.group,
+        dataset=dataset,
+        prompts=len(runs),
+        new_tokens=tokens,
+        seconds=seconds,
+        identical=sum(same for _, same in runs),
+        tokens_per_second=tokens / seconds if seconds else 0.0,
+        mean_acceptance_length=sum(lengths) / len(lengths) if lengths else None,
+        time_to_first_token_s=statistics.median(ttfts) if ttfts else None,
+        overlap=statistics.mean(overlaps) if overlaps else None,
+        bubble=statistics.mean(bubbles) if bubbles else None,
+        acceptance_lengths=lengths,
+    )
+
+
+def machine_info() -> dict[str, Any]:
+    """Where and with what the numbers were measured."""
+    import transformers
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu,
+        "threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "commit": commit,
+    }
+
+
+def rows_as_dicts(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in rows]

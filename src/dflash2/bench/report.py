@@ -1,0 +1,109 @@
+"""Bench output: JSON with machine and versions, a markdown table in the docs, PNG plots."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dflash2.bench.harness import Row, rows_as_dicts
+
+
+def write_json(path: Path, machine: dict[str, Any], settings: dict[str, Any], rows: Sequence[Row]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": machine, "settings": settings, "rows": rows_as_dicts(rows)}, indent=2))
+    return path
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    """One line per configuration and dataset; rows without 100 % identical outputs are flagged."""
+    lines = [
+        "| dataset | configuration | tokens/s | speedup vs transformers | tokens per target forward "
+        "| TTFT (s) | overlap | bubble | identical |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        flag = "" if r.all_identical else " ⚠ NOT IDENTICAL"
+        lines.append(
+            f"| {r.dataset} | {r.config} | {r.tokens_per_second:.1f} | {r.speedup:.2f}× "
+            f"| {_fmt(r.mean_acceptance_length, '.2f')} | {_fmt(r.time_to_first_token_s, '.3f')} "
+            f"| {_fmt(r.overlap, '.0%')} | {_fmt(r.bubble, '.0%')} | {r.identical}/{r.prompts}{flag} |"
+        )
+    return "\n".join(lines)
+
+
+def update_section(doc: Path, name: str, content: str) -> None:
+    """Replace the text between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` (append if absent)."""
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    block = f"{start}\n{content.strip()}\n{end}"
+    text = doc.read_text() if doc.is_file() else "# Benchmarks\n"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+
+
+def plot_tokens_per_second(rows: Sequence[Row], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r.dataset for r in rows))
+    configs = list(dict.fromkeys(r.config for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(configs) * len(datasets)), 4.0))
+    width = 0.8 / max(1, len(datasets))
+    for d, dataset in enumerate(datasets):
+        values = [
+            next((r.tokens_per_second for r in rows if r.config == c and r.dataset == dataset), 0.0) for c in configs
+        ]
+        xs = [i + d * width for i in range(len(configs))]
+        bars = ax.bar(xs, values, width, label=dataset)
+        for bar, config in zip(bars, configs, strict=True):
+            row = next((r for r in rows if r.config == config and r.dataset == dataset), None)
+            if row is not None and not row.all_identical:
+                bar.set_hatch("//")
+    ax.set_xticks([i + width * (len(datasets) - 1) / 2 for i in range(len(configs))], configs, rotation=20, ha="right")
+    ax.set_ylabel("tokens / s")
+    ax.set_title("Greedy decoding throughput (hatched: outputs not identical)")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance_histogram(rows: Sequence[Row], path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spec = [r for r in rows if r.acceptance_lengths and max(r.acceptance_lengths) > 1]
+    if not spec:
+        return None
+    fig, ax = plt.subplots(figsize=(7.0, 4.0))
+    top = max(max(r.acceptance_lengths) for r in spec)
+    for r in spec:
+        ax.hist(
+            r.acceptance_lengths,
+            bins=range(1, top + 2),
+            alpha=0.5,
+            label=f"{r.config} · {r.dataset}",
+            density=True,
+            align="left",
+        )
+    ax.set_xlabel("tokens per target forward")
+    ax.set_ylabel("share of steps")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
