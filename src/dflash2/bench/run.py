@@ -54,7 +54,8 @@ def build_runners(model: Model, configs: list[str]) -> list[Runner]:
     for name in configs:
         if name.startswith("transformers"):
             if hf is None:
-                hf = AutoModelForCausalLM.from_pretrained(model.checkpoint, dtype=model.dtype).eval()
+                hf = AutoModelForCausalLM.from_pretrained(model.checkpoint, dtype=model.dtype)
+                hf.eval()
             if name == "transformers":
                 runners.append(TransformersRunner(hf))
         elif name == "dflash2":
