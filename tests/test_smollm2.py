@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny import hf_greedy
+from tiny import hf_greedy, save_tiny_dflash
 
 import dflash2
 
@@ -35,6 +36,43 @@ def test_greedy_identical_to_transformers(smollm2: dflash2.Model, hf_smollm2: An
     completion = smollm2.generate(prompt, max_new_tokens=64)
     assert list(completion.token_ids) == expected
     assert completion.text == smollm2.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def references(smollm2: dflash2.Model, hf_smollm2: Any) -> dict[int, list[int]]:
+    from dflash2.tokenize import encode_prompt
+
+    return {i: hf_greedy(hf_smollm2, encode_prompt(smollm2.tokenizer, p), 128) for i, p in enumerate(SPEC_PROMPTS)}
+
+
+SPEC_PROMPTS = [RAW[1], CHAT[0], CHAT[2]]
+
+
+def _random_dflash(path: Path) -> Path:
+    # SmolLM2's shape: hidden 576, 9 heads / 3 kv heads of 64; one drafter layer reading 3 target layers
+    return save_tiny_dflash(
+        path,
+        target_layers=30,
+        target_layer_ids=(1, 14, 27),
+        block_size=8,
+        std=0.02,
+        vocab=49152,
+        mask_token_id=0,
+        shape=(576, 1536, 9, 3, 64, 1),
+    )
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "autoregressive", "dflash"])
+def test_speculative_greedy_identical_to_transformers(
+    smollm2_gguf: Path, references: dict[int, list[int]], drafter: str, tmp_path: Path
+) -> None:
+    arg: Any = {"ngram": "ngram", "autoregressive": smollm2_gguf}.get(drafter) or _random_dflash(tmp_path / "d")
+    model = dflash2.load(smollm2_gguf, drafter=arg, block_size={"autoregressive": 6, "dflash": 4}.get(drafter))
+    for i, prompt in enumerate(SPEC_PROMPTS):
+        completion = model.generate(prompt, max_new_tokens=128)
+        assert list(completion.token_ids) == references[i], (drafter, i)
+        if drafter == "autoregressive":  # the target as its own drafter: (nearly) everything accepted
+            assert completion.stats.mean_acceptance_length > 5.0
 
 
 def test_chat_template_matches_transformers(smollm2: dflash2.Model) -> None:

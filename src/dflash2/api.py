@@ -13,7 +13,8 @@ import anyio
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from dflash2.config import parse_generation_options
+from dflash2.config import SpeculativeConfig, parse_generation_options
+from dflash2.drafters import Drafter, load_drafter
 from dflash2.engine import SyncPipeline
 from dflash2.errors import ContextLengthError, InvalidOptionError, StreamStateError
 from dflash2.runtime.device import resolve_device, resolve_dtype
@@ -33,12 +34,14 @@ class Model:
         eos_token_ids: frozenset[int],
         name: str,
         checkpoint: Path,
+        drafter: Drafter | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.name = name
         self.checkpoint = checkpoint  # the local directory the weights were read from
+        self.drafter = drafter
 
     @property
     def device(self) -> torch.device:
@@ -53,7 +56,8 @@ class Model:
         return self.target.spec.max_position_embeddings
 
     def __repr__(self) -> str:
-        return f"Model({self.name!r}, device={self.device}, dtype={self.dtype})"
+        drafter = self.drafter.name if self.drafter is not None else None
+        return f"Model({self.name!r}, drafter={drafter!r}, device={self.device}, dtype={self.dtype})"
 
     def stream(self, prompt: Any, **options: Any) -> TokenStream:
         """Start generating; iterate the returned stream with ``async for``.
@@ -69,7 +73,7 @@ class Model:
                 f"the prompt has {len(prompt_ids)} tokens and max_new_tokens is {config.max_new_tokens}: "
                 f"{needed} > the model's context of {self.max_context}. Shorten the prompt or lower max_new_tokens."
             )
-        source = SyncPipeline(self.target, prompt_ids, config, sampling)
+        source = SyncPipeline(self.target, prompt_ids, config, sampling, self.drafter)
         return TokenStream(source, self.tokenizer, len(prompt_ids), config, self.eos_token_ids)
 
     async def agenerate(self, prompt: Any, **options: Any) -> Completion:
@@ -111,17 +115,26 @@ def load(
     *,
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
+    block_size: int | None = None,
 ) -> Model:
-    """Load a target model from a hub id, a local directory or a ``.gguf`` file."""
+    """Load a target model from a hub id, a local directory or a ``.gguf`` file, and a drafter.
+
+    ``drafter``: ``None`` (plain decoding), ``"ngram"`` (prompt lookup), a hub id or directory
+    of a DFlash / DFlash2 drafter or of a small causal LM with the target's tokenizer, or a
+    :class:`dflash2.drafters.Drafter` object. ``block_size`` (tokens per verify forward, incl. the
+    last verified one) overrides the drafter's default.
+    """
     if not isinstance(target, (str, os.PathLike)):
         raise InvalidOptionError(f"target must be a hub id or a path, not {type(target).__name__}.")
-    if drafter is not None:
-        raise InvalidOptionError("speculative drafters are not available in this version; pass drafter=None.")
+    if block_size is not None:
+        block_size = SpeculativeConfig(block_size=block_size).block_size
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     checkpoint = resolve_checkpoint(target)
     decoder = load_decoder(checkpoint, resolved_dtype, resolved_device)
-    decoder.pack([1])
     tokenizer = load_tokenizer(checkpoint)
+    chosen = load_drafter(drafter, decoder, tokenizer, block_size)
+    decoder.pack([1] if chosen is None else [1, chosen.block_size])
     eos = load_eos_ids(checkpoint, decoder.spec)
-    return Model(decoder, tokenizer, eos, name=Path(str(target)).name or str(target), checkpoint=checkpoint)
+    name = Path(str(target)).name or str(target)
+    return Model(decoder, tokenizer, eos, name=name, checkpoint=checkpoint, drafter=chosen)

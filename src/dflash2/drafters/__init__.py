@@ -1,0 +1,80 @@
+"""Drafters: what proposes tokens for the target to verify.
+
+``load_drafter`` turns the ``drafter=`` argument of :func:`dflash2.load` into a ``Drafter``:
+``"ngram"``, a DFlash / DFlash2 checkpoint (detected by its ``dflash_config``), a small causal LM
+with the target's tokenizer, or a ready ``Drafter`` object.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from dflash2.drafters.autoregressive import AutoregressiveDrafter
+from dflash2.drafters.base import Draft, DraftContext, Drafter, DraftSession, Outcome
+from dflash2.drafters.dflash import DFlashDrafter, DFlashSpec, load_dflash_drafter
+from dflash2.drafters.ngram import NGramDrafter
+from dflash2.errors import DrafterError, TokenizerMismatchError
+from dflash2.runtime.loader import (
+    load_decoder,
+    load_safetensors,
+    load_tokenizer,
+    read_config,
+    resolve_checkpoint,
+)
+from dflash2.runtime.model import Decoder
+
+__all__ = [
+    "AutoregressiveDrafter",
+    "DFlashDrafter",
+    "Draft",
+    "DraftContext",
+    "DraftSession",
+    "Drafter",
+    "NGramDrafter",
+    "Outcome",
+    "check_same_tokenizer",
+    "load_drafter",
+]
+
+
+def check_same_tokenizer(target: PreTrainedTokenizerBase, drafter: PreTrainedTokenizerBase) -> None:
+    """Raise ``TokenizerMismatchError`` unless both map every token string to the same id."""
+    if target.get_vocab() != drafter.get_vocab():
+        raise TokenizerMismatchError(
+            "the drafter's tokenizer differs from the target's, so its token ids cannot be verified; "
+            "use a drafter from the same model family (same vocabulary), or drafter='ngram'."
+        )
+
+
+def load_drafter(
+    drafter: Any,
+    target: Decoder,
+    tokenizer: PreTrainedTokenizerBase,
+    block_size: int | None = None,
+) -> Drafter | None:
+    if drafter is None:
+        return None
+    if isinstance(drafter, str) and drafter == "ngram":
+        return NGramDrafter() if block_size is None else NGramDrafter(block_size=block_size)
+    if not isinstance(drafter, (str, os.PathLike)):
+        if isinstance(drafter, Drafter):
+            return drafter
+        raise DrafterError(
+            f"drafter must be None, 'ngram', a hub id or path, or a Drafter object; got {type(drafter).__name__}."
+        )
+    checkpoint = resolve_checkpoint(drafter)
+    raw = read_config(checkpoint)
+    name = os.path.basename(str(drafter).rstrip("/")) or str(drafter)
+    if DFlashSpec.is_dflash_config(raw):
+        return load_dflash_drafter(raw, load_safetensors(checkpoint), target, block_size=block_size, name=name)
+    draft_model = load_decoder(checkpoint, target.dtype, target.device)
+    check_same_tokenizer(tokenizer, load_tokenizer(checkpoint))
+    return AutoregressiveDrafter(
+        draft_model,
+        target.spec.vocab_size,
+        block_size=block_size or AutoregressiveDrafter.default_block_size,
+        name=name,
+    )

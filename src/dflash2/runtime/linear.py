@@ -55,3 +55,11 @@ class Linear(nn.Module):
         if packed is not None and not torch.is_grad_enabled():
             return torch.ops.mkl._mkl_linear(x, packed, self.weight, self.bias, x.numel() // x.shape[-1])
         return F.linear(x, self.weight, self.bias)
+
+
+def pack_linears(module: nn.Module, row_counts: Iterable[int]) -> None:
+    """Pre-pack every :class:`Linear` inside ``module`` for these forward sizes."""
+    rows = tuple(row_counts)
+    for child in module.modules():
+        if isinstance(child, Linear):
+            child.pack(rows)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2.runtime.kv_cache import KVCache
-from dflash2.runtime.linear import Linear
+from dflash2.runtime.linear import Linear, pack_linears
 from dflash2.runtime.spec import ModelSpec
 
 
@@ -52,11 +52,11 @@ def block_causal_mask(start: int, new: int, device: torch.device) -> torch.Tenso
 class RotaryTable(nn.Module):
     """cos/sin for every position up to the context length, precomputed once."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype) -> None:
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int, dtype: torch.dtype) -> None:
         super().__init__()
         with torch.device("cpu"):  # real values even when the model is built on "meta"
-            inv_freq, scaling = spec.rope_inv_freq()
-            positions = torch.arange(spec.max_position_embeddings, dtype=torch.int64).float()
+            inv_freq = inv_freq.to("cpu")
+            positions = torch.arange(max_positions, dtype=torch.int64).float()
             freqs = positions[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
             cos = (emb.cos() * scaling).to(dtype)
@@ -71,6 +71,22 @@ class RotaryTable(nn.Module):
     def forward(self, start: int, new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables [new, 1, head_dim] for positions ``start .. start + new - 1``."""
         return self.cos[start : start + new], self.signed_sin[start : start + new]
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention through SDPA: q [B, T, H, D], keys/values [B, KV, S, D] -> [B, T, H * D].
+
+    The query heads sharing a kv head are folded into the query axis, [B, KV, group * T, D], so
+    keys are never repeated; a boolean ``mask`` [..., T, S] (True = visible) is repeated to match.
+    """
+    b, t, h, d = q.shape
+    kvh = keys.shape[1]
+    group = h // kvh
+    q = q.reshape(b, t, kvh, group, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, d)
+    if mask is not None and group > 1:
+        mask = mask.repeat(*([1] * (mask.dim() - 2)), group, 1)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    return out.view(b, kvh, group, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
 
 
 class Attention(nn.Module):
@@ -102,22 +118,16 @@ class Attention(nn.Module):
         qk = apply_rope(qk, *rope)  # q and k rotated in one go
         q, k = qk[:, :, :h], qk[:, :, h:]
         keys, values = cache.write(layer, k.transpose(1, 2), v.transpose(1, 2))
-        # Grouped-query attention without repeating keys: the query heads sharing a kv head are
-        # folded into the query axis, [B, kv_heads, group * T, D], and the mask repeated to match.
-        group = h // kvh
-        q = q.reshape(b, t, kvh, group, self.head_dim).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, -1)
-        if mask is not None and group > 1:
-            mask = mask.repeat(group, 1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        out = out.view(b, kvh, group, t, self.head_dim).permute(0, 3, 1, 2, 4).reshape(b, t, -1)
-        return self.o(out)
+        return self.o(attend(q, keys, values, mask))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """SwiGLU with gate and up fused into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -131,7 +141,7 @@ class DecoderLayer(nn.Module):
         self.attn_norm = nn.Parameter(torch.ones(spec.hidden_size))
         self.attn = Attention(spec)
         self.mlp_norm = nn.Parameter(torch.ones(spec.hidden_size))
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
 
     def forward(
         self,
@@ -165,7 +175,7 @@ class Decoder(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
         if spec.tie_word_embeddings:
             self.lm_head.weight = cast(nn.Parameter, self.embed_tokens.weight)
-        self.rope = RotaryTable(spec, dtype)
+        self.rope = RotaryTable(*spec.rope_inv_freq(), spec.max_position_embeddings, dtype)
         self.to(dtype)
 
     @property
@@ -187,10 +197,7 @@ class Decoder(nn.Module):
 
     def pack(self, row_counts: Iterable[int]) -> None:
         """Pre-pack every projection for these forward sizes (see :mod:`dflash2.runtime.linear`)."""
-        rows = tuple(row_counts)
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack(rows)
+        pack_linears(self, row_counts)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden, self.norm, self.spec.rms_norm_eps)

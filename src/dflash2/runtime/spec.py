@@ -52,12 +52,7 @@ class ModelSpec:
             raise UnsupportedModelError(
                 "sliding-window attention layers are not supported yet; use a checkpoint with use_sliding_window=false."
             )
-        rope = _rope_parameters(config)
-        rope_type = rope.get("rope_type", "default")
-        if rope_type not in STATIC_ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"rope_type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}."
-            )
+        rope_type = rope_type_of(config)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         eos = config.eos_token_id
@@ -83,14 +78,30 @@ class ModelSpec:
         )
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
-        """Inverse frequencies and attention scaling, computed exactly as transformers does."""
-        if self.rope_type == "default":
-            theta = _rope_parameters(self.hf_config)["rope_theta"]
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        return rope_frequencies(self.hf_config, self.head_dim)
+
+
+def rope_type_of(config: PretrainedConfig) -> str:
+    """The config's RoPE type, rejected unless its frequencies are static."""
+    rope_type = str(_rope_parameters(config).get("rope_type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}."
+        )
+    return rope_type
+
+
+def rope_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling, computed exactly as transformers does."""
+    rope_type = rope_type_of(config)
+    with torch.device("cpu"):  # real values even while a model is being built on "meta"
+        if rope_type == "default":
+            theta = _rope_parameters(config)["rope_theta"]
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
             return 1.0 / (theta**exponents), 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self.hf_config, torch.device("cpu"))
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
         return inv_freq.float(), float(scaling)
 
 

@@ -1,0 +1,89 @@
+"""The ``Drafter`` protocol every drafter implements, so engines never special-case one.
+
+A ``Drafter`` holds what is shared (weights, settings) and is safe to use from several
+requests at once; ``start`` gives a ``DraftSession`` with one request's state. The engine asks
+the session for a draft from the verified state, verifies it, and tells the session the outcome.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from dflash2.config import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Proposed continuation of the verified text.
+
+    ``tokens`` [k] ids; ``probs`` [k, vocab] the distribution each token was sampled from
+    (after the request's temperature / top-k / top-p), or ``None`` for a deterministic draft
+    (greedy decoding, n-gram lookup).
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What verification decided for the last draft.
+
+    ``accepted`` draft tokens were kept and ``next_token`` follows them; it is the new last
+    verified token, not yet processed by the target. ``hidden`` holds the target features
+    (the drafter's ``capture_layers``) of the verified inputs ``[x, d_1 .. d_accepted]``.
+    """
+
+    accepted: int
+    next_token: int
+    hidden: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """The request a session drafts for, as known right after the prefill."""
+
+    prompt_ids: list[int]
+    first_token: int  # sampled from the prefill, the first last-verified token
+    prompt_hidden: torch.Tensor | None  # [prompt_len, features] when capture_layers is set
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+    max_tokens: int  # prompt + everything that may be generated: size caches by it
+
+
+class DraftSession(Protocol):
+    def propose(self, max_tokens: int) -> Draft:
+        """Draft at most ``max_tokens`` tokens after the last verified token (may return none)."""
+        ...
+
+    def observe(self, outcome: Outcome) -> None:
+        """Learn the verification outcome of the last proposal."""
+        ...
+
+    def close(self) -> None:
+        """Free the request's state (caches)."""
+        ...
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per verify forward at most: the last verified token + ``block_size - 1`` drafts."""
+        ...
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Target layers whose outputs the drafter reads (empty for most drafters)."""
+        ...
+
+    def start(self, context: DraftContext) -> DraftSession: ...

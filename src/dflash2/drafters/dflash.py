@@ -1,0 +1,533 @@
+"""DFlash and DFlash2 block drafters: one forward drafts a whole block.
+
+A few Qwen3-style layers, non-causal inside the block. Queries come from the target's input
+embeddings of ``[last verified token, mask, ..., mask]``; keys and values are the concatenation
+of (a) context features — the target's hidden states of ``target_layer_ids``, concatenated,
+projected by ``fc`` and normalised by ``hidden_norm`` — and (b) the block itself. The drafter
+shares the target's embedding and LM head. Context keys/values live in the drafter's own KV
+cache, so each step only adds the features of the tokens verified since the last one.
+
+DFlash2 adds grouped dynamic causal convolutions around attention and MLP, a candidate selector
+that re-ranks the top-k tokens of each position given its predecessor, optional sliding windows,
+an output multiplier and logit soft-capping. Checkpoints use the z-lab format: ``config.json``
+(Qwen3 fields + ``dflash_config``) and ``model.safetensors``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+
+from dflash2.config import SamplingConfig
+from dflash2.drafters.base import Draft, DraftContext, Outcome
+from dflash2.errors import DrafterError
+from dflash2.runtime.kv_cache import KVCache
+from dflash2.runtime.linear import Linear, pack_linears
+from dflash2.runtime.model import MLP, Decoder, RotaryTable, apply_rope, attend, rms_norm
+from dflash2.runtime.spec import rope_frequencies
+from dflash2.sampling import probabilities, sample
+
+
+@dataclass(frozen=True)
+class DFlashSpec:
+    """A DFlash / DFlash2 drafter's shape and settings, read from its ``config.json``."""
+
+    version: int
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    attention_bias: bool
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int | None
+    input_embedding_scale: float
+    output_multiplier: float
+    final_logit_softcapping: float | None
+    causal: tuple[bool, ...]  # per layer
+    sliding_windows: tuple[int | None, ...]  # per layer
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    hf_config: Qwen3Config
+
+    @staticmethod
+    def is_dflash_config(raw: Mapping[str, Any]) -> bool:
+        return "dflash_config" in raw or any("DFlash" in a for a in raw.get("architectures") or [])
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any]) -> DFlashSpec:
+        draft = dict(raw.get("dflash_config") or {})
+
+        def value(name: str, default: Any = None) -> Any:
+            return draft.get(name, raw.get(name, default))
+
+        try:
+            config = Qwen3Config(**{k: v for k, v in raw.items() if k != "dflash_config"})
+            layer_ids = value("target_layer_ids")
+            if not layer_ids:
+                raise DrafterError("the drafter's dflash_config has no target_layer_ids.")
+            mask_id = value("mask_token_id")
+            if mask_id is None:
+                raise DrafterError("the drafter's dflash_config has no mask_token_id.")
+            architectures = raw.get("architectures") or []
+            version = 2 if "DFlash2DraftModel" in architectures or value("conv_kernel_size") else 1
+            layer_types = list(config.layer_types or ["full_attention"] * config.num_hidden_layers)
+            is_causal = raw.get("is_causal")
+            causal = tuple((t == "sliding_attention") if is_causal is None else bool(is_causal) for t in layer_types)
+            windows = tuple(config.sliding_window if t == "sliding_attention" else None for t in layer_types)
+            softcap = value("final_logit_softcapping")
+            heads = config.num_attention_heads
+            return cls(
+                version=version,
+                vocab_size=config.vocab_size,
+                hidden_size=config.hidden_size,
+                intermediate_size=config.intermediate_size,
+                num_layers=config.num_hidden_layers,
+                num_heads=heads,
+                num_kv_heads=config.num_key_value_heads or heads,
+                head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                rms_norm_eps=float(config.rms_norm_eps),
+                attention_bias=bool(config.attention_bias),
+                block_size=int(value("block_size", 16)),
+                mask_token_id=int(mask_id),
+                target_layer_ids=tuple(int(i) for i in layer_ids),
+                num_target_layers=raw.get("num_target_layers"),
+                input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+                output_multiplier=float(value("output_multiplier", 1.0)),
+                final_logit_softcapping=float(softcap) if softcap else None,
+                causal=causal,
+                sliding_windows=windows,
+                conv_kernel_size=int(value("conv_kernel_size", 0) or 0) if version == 2 else 0,
+                conv_group_size=int(value("conv_group_size", 0) or 0) if version == 2 else 0,
+                selector_rank=int(value("selector_rank", 0) or 0) if version == 2 else 0,
+                selector_top_k=int(value("selector_top_k", 0) or 0) if version == 2 else 0,
+                hf_config=config,
+            )
+        except (TypeError, ValueError, KeyError) as err:
+            raise DrafterError(f"invalid DFlash drafter config: {err}") from err
+
+    def check_target(self, target: Decoder) -> None:
+        """Raise ``DrafterError`` unless this drafter can read ``target``'s features and share its head."""
+        t = target.spec
+        problems = []
+        if self.hidden_size != t.hidden_size:
+            problems.append(f"hidden_size {self.hidden_size} != target's {t.hidden_size}")
+        if max(self.target_layer_ids) >= t.num_layers or min(self.target_layer_ids) < 0:
+            problems.append(f"target_layer_ids {list(self.target_layer_ids)} outside the target's {t.num_layers}")
+        if self.num_target_layers is not None and self.num_target_layers != t.num_layers:
+            problems.append(f"trained for a {self.num_target_layers}-layer target, this one has {t.num_layers}")
+        if not 0 <= self.mask_token_id < t.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} is not in the target's vocabulary")
+        if problems:
+            raise DrafterError("this DFlash drafter does not fit the target: " + "; ".join(problems) + ".")
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from context features and the block, q/k-normed."""
+
+    def __init__(self, spec: DFlashSpec) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.eps = spec.rms_norm_eps
+        self.q_proj = Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=spec.attention_bias)
+        self.kv_proj = Linear(spec.hidden_size, 2 * spec.num_kv_heads * spec.head_dim, bias=spec.attention_bias)
+        self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=spec.attention_bias)
+        self.q_norm = nn.Parameter(torch.ones(spec.head_dim))
+        self.k_norm = nn.Parameter(torch.ones(spec.head_dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        rope_q: tuple[torch.Tensor, torch.Tensor],
+        rope_k: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None,
+        layer: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``x`` [B, T, D] block states; ``context`` [B, C, D] new projected context features.
+
+        With a cache, the new context and block keys/values are written after the cached ones
+        and attention covers all of them; without one, only ``context`` and ``x``.
+        """
+        b, t, _ = x.shape
+        q = rms_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim), self.q_norm, self.eps)
+        kv = self.kv_proj(torch.cat([context, x], dim=1)).view(b, -1, 2 * self.num_kv_heads, self.head_dim)
+        k, v = kv.split(self.num_kv_heads, dim=2)
+        k = rms_norm(k, self.k_norm, self.eps)
+        q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.write(layer, k, v)
+        return self.o_proj(attend(q, k, v, mask))
+
+
+def grouped_dynamic_convolve(
+    hidden: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """Causal convolution along the block axis with per-channel ``base`` [K, D] plus per-group
+    ``dynamic`` [B, T, K, G] kernels: ``y_t = sum_o (base_o + dynamic_{t,o}) * x_{t-o}``."""
+    b, t, d = hidden.shape
+    groups = d // group_size
+    blocks = hidden.view(b, t, groups, group_size)
+    dynamic = dynamic.reshape(b, t, base.shape[0], groups, 1)
+    out = torch.zeros_like(blocks)
+    for offset in range(base.shape[0]):
+        shifted = blocks if offset == 0 else F.pad(blocks[:, :-offset], (0, 0, 0, 0, offset, 0))
+        out = out + base[offset].view(1, 1, groups, group_size).to(hidden.dtype) * shifted
+        out = torch.addcmul(out, dynamic[:, :, offset], shifted)
+    return out.view_as(hidden)
+
+
+class GroupedDynamicConv(nn.Module):
+    """DFlash2's convolution pair: one kernel set before a sub-layer, one after it."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = Linear(hidden_size, 2 * kernel_size * self.groups)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        before = grouped_dynamic_convolve(x, dynamic[..., 0, :, :], self.base_kernel[0], self.group_size)
+        return before, dynamic[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        return grouped_dynamic_convolve(x, dynamic, self.base_kernel[1], self.group_size)
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, spec: DFlashSpec) -> None:
+        super().__init__()
+        self.eps = spec.rms_norm_eps
+        self.input_layernorm = nn.Parameter(torch.ones(spec.hidden_size))
+        self.attn = DFlashAttention(spec)
+        self.post_attention_layernorm = nn.Parameter(torch.ones(spec.hidden_size))
+        self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
+        conv = spec.version == 2
+        args = (spec.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
+        self.attention_conv = GroupedDynamicConv(*args) if conv else None
+        self.mlp_conv = GroupedDynamicConv(*args) if conv else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        context: torch.Tensor,
+        rope_q: tuple[torch.Tensor, torch.Tensor],
+        rope_k: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache | None,
+        layer: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        h = rms_norm(x, self.input_layernorm, self.eps)
+        kernel = None
+        if self.attention_conv is not None:
+            h, kernel = self.attention_conv.prepare(h)
+        h = self.attn(h, context, rope_q, rope_k, cache, layer, mask)
+        if self.attention_conv is not None and kernel is not None:
+            h = self.attention_conv.finish(h, kernel)
+        x = x + h
+        h = rms_norm(x, self.post_attention_layernorm, self.eps)
+        if self.mlp_conv is not None:
+            h, kernel = self.mlp_conv.prepare(h)
+        h = self.mlp(h)
+        if self.mlp_conv is not None and kernel is not None:
+            h = self.mlp_conv.finish(h, kernel)
+        return x + h
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2: pick each position's token among the top-k of its logits, given its predecessor."""
+
+    def __init__(self, spec: DFlashSpec) -> None:
+        super().__init__()
+        self.top_k = spec.selector_top_k
+        self.predecessor_codebook = nn.Embedding(spec.vocab_size, spec.selector_rank)
+        self.successor_codebook = nn.Embedding(spec.vocab_size, spec.selector_rank)
+        self.hidden_projection = Linear(spec.hidden_size, spec.selector_rank)
+
+    def select(
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        anchor: torch.Tensor,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens [B, T] and, when sampling, their dense distributions [B, T, vocab]."""
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
+        projected = self.hidden_projection(hidden)
+        predecessor = anchor
+        path, rows = [], []
+        for position in range(hidden.shape[1]):
+            pair = torch.einsum(
+                "br,bkr->bk",
+                self.predecessor_codebook(predecessor) * projected[:, position],
+                self.successor_codebook(candidates[:, position]),
+            )
+            scores = unary[:, position] + pair
+            if sampling.greedy:
+                index = scores.argmax(-1)
+            else:
+                q = probabilities(scores, sampling)
+                index = sample(q, generator)
+                dense = torch.zeros_like(logits[:, position], dtype=q.dtype)
+                rows.append(dense.scatter_add(-1, candidates[:, position], q))
+            predecessor = candidates[:, position].gather(-1, index[:, None])[:, 0]
+            path.append(predecessor)
+        return torch.stack(path, dim=1), torch.stack(rows, dim=1) if rows else None
+
+
+class DFlashModel(nn.Module):
+    """The drafter network; call :meth:`forward` with the block and the new context features."""
+
+    def __init__(self, spec: DFlashSpec, max_positions: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.spec = spec
+        features = len(spec.target_layer_ids) * spec.hidden_size
+        self.fc = Linear(features, spec.hidden_size)
+        self.hidden_norm = nn.Parameter(torch.ones(spec.hidden_size))
+        self.layers = nn.ModuleList(DFlashLayer(spec) for _ in range(spec.num_layers))
+        self.norm = nn.Parameter(torch.ones(spec.hidden_size))
+        self.candidate_selector = CandidateSelector(spec) if spec.version == 2 else None
+        self.rope = RotaryTable(*rope_frequencies(spec.hf_config, spec.head_dim), max_positions, dtype)
+        self.to(dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.dtype
+
+    def new_cache(self, capacity: int) -> KVCache:
+        s = self.spec
+        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, dtype=self.dtype, device=self.device)
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [B, C, layers * D] -> context states [B, C, D]."""
+        return rms_norm(self.fc(features), self.hidden_norm, self.spec.rms_norm_eps)
+
+    def masks(self, start: int, block: int, keys: int, device: torch.device) -> list[torch.Tensor | None]:
+        """Per-layer visibility of the ``keys`` cached positions for block queries at ``start``."""
+        q_pos = torch.arange(start, start + block, device=device)[:, None]
+        k_pos = torch.arange(keys, device=device)[None, :]
+        out: list[torch.Tensor | None] = []
+        for causal, window in zip(self.spec.causal, self.spec.sliding_windows, strict=True):
+            if not causal and window is None:
+                out.append(None)
+                continue
+            visible = torch.ones(block, keys, dtype=torch.bool, device=device)
+            if causal:
+                visible &= k_pos <= q_pos
+            if window is not None:
+                visible &= (q_pos - k_pos) < window
+                if not causal:
+                    visible &= (k_pos - q_pos) < window
+            out.append(visible)
+        return out
+
+    def forward(self, block_embeds: torch.Tensor, context: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Draft states [B, T, D] (after the final norm) for the block that follows the cached
+        context plus ``context`` [B, C, D] (projected). Only the context stays in the cache."""
+        ctx_start, new_ctx, block = cache.length, context.shape[1], block_embeds.shape[1]
+        cache.check_room(new_ctx + block)
+        start = ctx_start + new_ctx
+        rope_k = self.rope(ctx_start, new_ctx + block)
+        rope_q = self.rope(start, block)
+        masks = self.masks(start, block, start + block, block_embeds.device)
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, context, rope_q, rope_k, cache, i, masks[i])
+        cache.advance(new_ctx)  # the block's keys/values are dropped again
+        return rms_norm(x, self.norm, self.spec.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        logits = lm_head(hidden) * self.spec.output_multiplier
+        cap = self.spec.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    # ---------------------------------------------------------------- checkpoint names
+    @classmethod
+    def from_zlab_state(
+        cls, spec: DFlashSpec, tensors: Mapping[str, torch.Tensor], max_positions: int, dtype: torch.dtype
+    ) -> DFlashModel:
+        with torch.device("meta"):
+            model = cls(spec, max_positions, dtype)
+        try:
+            state = zlab_to_ours(spec, tensors)
+        except KeyError as err:
+            raise DrafterError(f"the drafter checkpoint lacks weight {err}.") from err
+        missing = set(model.state_dict()) - set(state)
+        if missing:
+            raise DrafterError(f"the drafter checkpoint lacks weights: {sorted(missing)[:5]}")
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+        return model
+
+
+def zlab_to_ours(spec: DFlashSpec, t: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """z-lab parameter names -> ours (k/v and gate/up fused)."""
+    out = {"fc.weight": t["fc.weight"], "hidden_norm": t["hidden_norm.weight"], "norm": t["norm.weight"]}
+    for i in range(spec.num_layers):
+        z, o = f"layers.{i}.", f"layers.{i}."
+        a = z + "self_attn."
+        out[o + "input_layernorm"] = t[z + "input_layernorm.weight"]
+        out[o + "post_attention_layernorm"] = t[z + "post_attention_layernorm.weight"]
+        out[o + "attn.q_proj.weight"] = t[a + "q_proj.weight"]
+        out[o + "attn.kv_proj.weight"] = torch.cat([t[a + "k_proj.weight"], t[a + "v_proj.weight"]])
+        out[o + "attn.o_proj.weight"] = t[a + "o_proj.weight"]
+        if spec.attention_bias:
+            out[o + "attn.q_proj.bias"] = t[a + "q_proj.bias"]
+            out[o + "attn.kv_proj.bias"] = torch.cat([t[a + "k_proj.bias"], t[a + "v_proj.bias"]])
+            out[o + "attn.o_proj.bias"] = t[a + "o_proj.bias"]
+        out[o + "attn.q_norm"] = t[a + "q_norm.weight"]
+        out[o + "attn.k_norm"] = t[a + "k_norm.weight"]
+        m = z + "mlp."
+        out[o + "mlp.gate_up.weight"] = torch.cat([t[m + "gate_proj.weight"], t[m + "up_proj.weight"]])
+        out[o + "mlp.down.weight"] = t[m + "down_proj.weight"]
+        if spec.version == 2:
+            for conv in ("attention_conv", "mlp_conv"):
+                out[o + f"{conv}.base_kernel"] = t[z + f"{conv}.base_kernel"]
+                out[o + f"{conv}.kernel_projection.weight"] = t[z + f"{conv}.kernel_projection.weight"]
+    if spec.version == 2:
+        for name in ("predecessor_codebook", "successor_codebook"):
+            key = f"candidate_selector.{name}"
+            out[key + ".weight"] = t[key] if key in t else t[key + ".weight"]
+        out["candidate_selector.hidden_projection.weight"] = t["candidate_selector.hidden_projection.weight"]
+    return out
+
+
+def ours_to_zlab(spec: DFlashSpec, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`zlab_to_ours`: the names z-lab and serving engines load."""
+    kv = spec.num_kv_heads * spec.head_dim
+    inter = spec.intermediate_size
+    out = {"fc.weight": state["fc.weight"], "hidden_norm.weight": state["hidden_norm"], "norm.weight": state["norm"]}
+    for i in range(spec.num_layers):
+        o = z = f"layers.{i}."
+        a = z + "self_attn."
+        out[z + "input_layernorm.weight"] = state[o + "input_layernorm"]
+        out[z + "post_attention_layernorm.weight"] = state[o + "post_attention_layernorm"]
+        out[a + "q_proj.weight"] = state[o + "attn.q_proj.weight"]
+        kv_weight = state[o + "attn.kv_proj.weight"]
+        out[a + "k_proj.weight"], out[a + "v_proj.weight"] = kv_weight[:kv], kv_weight[kv:]
+        out[a + "o_proj.weight"] = state[o + "attn.o_proj.weight"]
+        if spec.attention_bias:
+            out[a + "q_proj.bias"] = state[o + "attn.q_proj.bias"]
+            kv_bias = state[o + "attn.kv_proj.bias"]
+            out[a + "k_proj.bias"], out[a + "v_proj.bias"] = kv_bias[:kv], kv_bias[kv:]
+            out[a + "o_proj.bias"] = state[o + "attn.o_proj.bias"]
+        out[a + "q_norm.weight"] = state[o + "attn.q_norm"]
+        out[a + "k_norm.weight"] = state[o + "attn.k_norm"]
+        gate_up = state[o + "mlp.gate_up.weight"]
+        out[z + "mlp.gate_proj.weight"], out[z + "mlp.up_proj.weight"] = gate_up[:inter], gate_up[inter:]
+        out[z + "mlp.down_proj.weight"] = state[o + "mlp.down.weight"]
+        if spec.version == 2:
+            for conv in ("attention_conv", "mlp_conv"):
+                out[z + f"{conv}.base_kernel"] = state[o + f"{conv}.base_kernel"]
+                out[z + f"{conv}.kernel_projection.weight"] = state[o + f"{conv}.kernel_projection.weight"]
+    if spec.version == 2:
+        for name in ("predecessor_codebook", "successor_codebook"):
+            out[f"candidate_selector.{name}"] = state[f"candidate_selector.{name}.weight"]
+        out["candidate_selector.hidden_projection.weight"] = state["candidate_selector.hidden_projection.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+class DFlashDrafter:
+    """Drafts ``block_size - 1`` tokens per forward; shares the target's embedding and LM head."""
+
+    def __init__(self, model: DFlashModel, target: Decoder, block_size: int | None = None, name: str = "dflash"):
+        model.spec.check_target(target)
+        self.model = model
+        self.target = target
+        self.block_size = block_size or model.spec.block_size
+        if not 2 <= self.block_size <= 64:
+            raise DrafterError(f"block_size must be in [2, 64], got {self.block_size}.")
+        self.capture_layers = model.spec.target_layer_ids
+        self.name = name
+        pack_linears(model, [self.block_size])
+
+    def start(self, context: DraftContext) -> DFlashSession:
+        return DFlashSession(self, context)
+
+
+class DFlashSession:
+    def __init__(self, drafter: DFlashDrafter, context: DraftContext) -> None:
+        if context.prompt_hidden is None:
+            raise DrafterError("the DFlash drafter needs the target's hidden states of the prompt.")
+        self._d = drafter
+        self._model = drafter.model
+        self._sampling = context.sampling
+        self._generator = context.generator
+        self._cache: KVCache | None = self._model.new_cache(context.max_tokens + drafter.block_size)
+        self._pending: list[torch.Tensor] = [context.prompt_hidden]  # features not yet in the cache
+        self._last = context.first_token
+        spec = self._model.spec
+        self._mask_ids = torch.full((drafter.block_size - 1,), spec.mask_token_id, dtype=torch.long)
+
+    def propose(self, max_tokens: int) -> Draft:
+        k = min(self._d.block_size - 1, max_tokens)
+        if k <= 0:
+            return Draft(torch.zeros(0, dtype=torch.long))
+        assert self._cache is not None
+        target, model, spec = self._d.target, self._model, self._model.spec
+        device = model.device
+        block = torch.cat([torch.tensor([self._last]), self._mask_ids]).to(device)[None]
+        embeds = target.embed(block) * spec.input_embedding_scale
+        features = torch.cat(self._pending, dim=0)[None].to(device=device, dtype=model.dtype)
+        self._pending = []
+        hidden = model(embeds, model.project_context(features), self._cache)[:, 1:]
+        logits = model.logits(hidden, target.lm_head)
+        probs: torch.Tensor | None = None
+        if model.candidate_selector is not None:
+            tokens, probs = model.candidate_selector.select(
+                hidden, logits, block[:, 0], self._sampling, self._generator
+            )
+            tokens = tokens[0]
+            probs = probs[0] if probs is not None else None
+        elif self._sampling.greedy:
+            tokens = logits[0].argmax(-1)
+        else:
+            probs = probabilities(logits[0], self._sampling)
+            tokens = sample(probs, self._generator)
+        return Draft(tokens[:k].cpu(), probs[:k] if probs is not None else None)
+
+    def observe(self, outcome: Outcome) -> None:
+        if outcome.hidden is None:
+            raise DrafterError("the DFlash drafter needs the target's hidden states of the verified tokens.")
+        self._pending.append(outcome.hidden)
+        self._last = outcome.next_token
+
+    def close(self) -> None:
+        self._cache = None
+        self._pending = []
+
+
+def load_dflash_drafter(
+    raw_config: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    target: Decoder,
+    block_size: int | None = None,
+    name: str = "dflash",
+) -> DFlashDrafter:
+    spec = DFlashSpec.from_config(raw_config)
+    spec.check_target(target)
+    # a block drafted near the end of the context reaches up to 64 positions past it
+    model = DFlashModel.from_zlab_state(spec, tensors, target.spec.max_position_embeddings + 64, target.dtype)
+    model = model.to(target.device).eval().requires_grad_(False)
+    return DFlashDrafter(model, target, block_size=block_size, name=name)

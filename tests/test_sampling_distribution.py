@@ -1,0 +1,119 @@
+"""Sampling stays exact: on a vocabulary of 8, speculative samples follow the target's distribution.
+
+The exact marginals of the 2nd and 3rd new token are computed by enumerating transformers'
+own model; each drafter's empirical counts must pass a chi-square test (p > 0.001) just as
+direct sampling does. Seeds are fixed, so the test is deterministic.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from tiny import save_tiny, save_tiny_dflash
+
+import dflash2
+from dflash2.config import SamplingConfig
+from dflash2.sampling import probabilities
+
+VOCAB8 = 8
+PROMPT = "\x01\x02\x03\x01\x02\x05\x01\x02"
+SAMPLES = 1500
+SMALL_VOCAB = {"vocab_size": VOCAB8, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+CONFIGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dist")
+    return {
+        "target": save_tiny(root / "target", "llama", seed=2, std=0.15, **SMALL_VOCAB),
+        "draft": save_tiny(root / "draft", "llama", seed=9, std=0.15, **SMALL_VOCAB),
+        "dflash": save_tiny_dflash(root / "dflash", version=1, vocab=VOCAB8, mask_token_id=7, block_size=3),
+        "dflash2": save_tiny_dflash(root / "dflash2", version=2, vocab=VOCAB8, mask_token_id=7, block_size=3),
+    }
+
+
+def exact_marginals(path: Path, prompt_ids: list[int], config: SamplingConfig) -> list[np.ndarray]:
+    """P(t_2) and P(t_3) under the target alone, by enumeration."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+
+    def dist(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return probabilities(hf(torch.tensor([ids])).logits[0, -1], config).double()
+
+    p1 = dist(prompt_ids)
+    p2 = torch.zeros(VOCAB8, dtype=torch.float64)
+    p3 = torch.zeros(VOCAB8, dtype=torch.float64)
+    for a in range(VOCAB8):
+        if p1[a] == 0:
+            continue
+        pa = dist([*prompt_ids, a])
+        p2 += p1[a] * pa
+        for b in range(VOCAB8):
+            if pa[b] > 0:
+                p3 += p1[a] * pa[b] * dist([*prompt_ids, a, b])
+    return [p2.numpy(), p3.numpy()]
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray, n: int) -> float:
+    expected = probs * n
+    keep = expected >= 5  # pool rare cells so the test is valid
+    observed = np.append(counts[keep], counts[~keep].sum())
+    expected = np.append(expected[keep], expected[~keep].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    return float(chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)
+
+
+def drafter_for(name: str, paths: dict[str, Path]) -> Any:
+    return {"plain": None, "ngram": dflash2.drafters.NGramDrafter(block_size=3), "autoregressive": paths["draft"]}.get(
+        name, paths.get(name)
+    )
+
+
+CASES = [(name, CONFIGS[0]) for name in ("plain", "ngram", "autoregressive", "dflash", "dflash2")] + [
+    (name, CONFIGS[1]) for name in ("ngram", "autoregressive", "dflash2")
+]
+
+
+@pytest.mark.parametrize(("name", "config"), CASES, ids=[f"{n}-{'t1' if c is CONFIGS[0] else 'tkp'}" for n, c in CASES])
+def test_speculative_sampling_matches_the_target(name: str, config: SamplingConfig, paths: dict[str, Path]) -> None:
+    model = dflash2.load(paths["target"], drafter=drafter_for(name, paths), block_size=3 if name != "plain" else None)
+    prompt_ids = model.tokenizer(PROMPT).input_ids
+    assert max(prompt_ids) < VOCAB8
+    options = {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}
+    counts = [np.zeros(VOCAB8), np.zeros(VOCAB8)]
+    accepted = 0
+
+    async def draw() -> list[dflash2.Completion]:
+        return [await model.agenerate(PROMPT, max_new_tokens=3, seed=s, **options) for s in range(SAMPLES)]
+
+    for completion in anyio.run(draw):
+        ids = completion.token_ids
+        counts[0][ids[1]] += 1
+        counts[1][ids[2]] += 1
+        accepted += sum(completion.stats.acceptance_lengths) - completion.stats.steps
+    exact = exact_marginals(paths["target"], prompt_ids, config)
+    for position in range(2):
+        p = chi_square_p(counts[position], exact[position], SAMPLES)
+        assert p > 1e-3, f"token {position + 2}: chi-square p = {p:.2e}"
+    if name in ("autoregressive", "dflash", "dflash2"):
+        assert accepted > 0  # the rejection path and the acceptance path both ran
+
+
+def test_same_seed_same_output(paths: dict[str, Path]) -> None:
+    for name in ["plain", "ngram", "autoregressive", "dflash2"]:
+        model = dflash2.load(
+            paths["target"], drafter=drafter_for(name, paths), block_size=3 if name != "plain" else None
+        )
+        a = model.generate(PROMPT, max_new_tokens=12, temperature=1.0, seed=42)
+        b = model.generate(PROMPT, max_new_tokens=12, temperature=1.0, seed=42)
+        assert a.token_ids == b.token_ids, name
