@@ -59,6 +59,15 @@ class Model:
         drafter = self.drafter.name if self.drafter is not None else None
         return f"Model({self.name!r}, drafter={drafter!r}, device={self.device}, dtype={self.dtype})"
 
+    def with_drafter(self, drafter: Any, block_size: int | None = None) -> Model:
+        """The same target (weights shared, not copied) with another drafter; see :func:`load`."""
+        if block_size is not None:
+            block_size = SpeculativeConfig(block_size=block_size).block_size
+        chosen = load_drafter(drafter, self.target, self.tokenizer, block_size)
+        if chosen is not None:
+            self.target.pack(verify_sizes(chosen.block_size))
+        return Model(self.target, self.tokenizer, self.eos_token_ids, self.name, self.checkpoint, chosen)
+
     def stream(self, prompt: Any, **options: Any) -> TokenStream:
         """Start generating; iterate the returned stream with ``async for``.
 
@@ -91,6 +100,15 @@ class Model:
                 "use `await model.agenerate(...)` or `async for tok in model.stream(...)` instead."
             )
         return anyio.run(functools.partial(self.agenerate, prompt, **options))
+
+
+def verify_sizes(block_size: int) -> list[int]:
+    """Forward sizes worth pre-packing for a drafter: its full block and half of it.
+
+    Each packed size costs one more copy of the weights (CPU, fp32 only); blocks of other
+    sizes are padded up to the next packed one (see ``engine.sync.padded_size``).
+    """
+    return sorted({block_size, max(2, (block_size + 1) // 2)})
 
 
 def _inside_event_loop() -> bool:
@@ -127,14 +145,13 @@ def load(
     if not isinstance(target, (str, os.PathLike)):
         raise InvalidOptionError(f"target must be a hub id or a path, not {type(target).__name__}.")
     if block_size is not None:
-        block_size = SpeculativeConfig(block_size=block_size).block_size
+        SpeculativeConfig(block_size=block_size)  # fail before loading anything
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     checkpoint = resolve_checkpoint(target)
     decoder = load_decoder(checkpoint, resolved_dtype, resolved_device)
+    decoder.pack([1])
     tokenizer = load_tokenizer(checkpoint)
-    chosen = load_drafter(drafter, decoder, tokenizer, block_size)
-    decoder.pack([1] if chosen is None else [1, chosen.block_size])
     eos = load_eos_ids(checkpoint, decoder.spec)
     name = Path(str(target)).name or str(target)
-    return Model(decoder, tokenizer, eos, name=name, checkpoint=checkpoint, drafter=chosen)
+    return Model(decoder, tokenizer, eos, name=name, checkpoint=checkpoint).with_drafter(drafter, block_size)

@@ -14,8 +14,6 @@ from typing import Any
 
 from dflash2.errors import InvalidOptionError, MissingDependencyError
 
-HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n\n"
-
 
 @dataclass(frozen=True)
 class Prompt:
@@ -51,12 +49,8 @@ def mtbench_records() -> list[dict[str, Any]]:
 
 
 def humaneval(limit: int | None = None) -> list[Prompt]:
-    """HumanEval tasks as chat requests to complete the function."""
-    records = humaneval_records()[:limit]
-    return [
-        Prompt("humaneval", r["task_id"], [{"role": "user", "content": HUMANEVAL_INSTRUCTION + r["prompt"]}])
-        for r in records
-    ]
+    """HumanEval tasks as the benchmark defines them: raw code to complete (signature + docstring)."""
+    return [Prompt("humaneval", r["task_id"], r["prompt"]) for r in humaneval_records()[:limit]]
 
 
 def mtbench(limit: int | None = None) -> list[Prompt]:

@@ -20,9 +20,14 @@ from dflash2.bench.report import (
     write_json,
 )
 from dflash2.bench.runners import DFlash2Runner, Runner, TransformersRunner
+from dflash2.runtime.loader import resolve_checkpoint
 from dflash2.tokenize import encode_prompt
 
-CONFIGS = ("transformers", "dflash2")
+PEERS = ("transformers", "transformers-prompt-lookup", "transformers-assisted")
+DRAFTED = ("ngram", "ar", "dflash")
+PIPELINE_NAMES = ("sync",)
+CONFIGS = (*PEERS, "dflash2", *(f"dflash2-{d}-{p}" for d in DRAFTED for p in PIPELINE_NAMES))
+DEFAULT_CONFIGS = ("transformers", "transformers-prompt-lookup", "dflash2", "dflash2-ngram-sync")
 
 
 def memory_bandwidth_gbps(megabytes: int = 512, repeats: int = 5) -> float:
@@ -46,22 +51,43 @@ def weight_bytes(model: Model) -> int:
     return total
 
 
-def build_runners(model: Model, configs: list[str]) -> list[Runner]:
+def _hf_model(path: Any, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.eval()
+
+
+def build_runners(
+    model: Model, configs: list[str], drafters: dict[str, Any], block_sizes: dict[str, int | None]
+) -> list[Runner]:
+    """One runner per configuration; drafter-backed ones share the target's weights."""
     runners: list[Runner] = []
     hf: Any = None
+    with_drafter: dict[str, Model] = {}
     for name in configs:
+        if name not in CONFIGS:
+            raise SystemExit(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
         if name.startswith("transformers"):
-            if hf is None:
-                hf = AutoModelForCausalLM.from_pretrained(model.checkpoint, dtype=model.dtype)
-                hf.eval()
+            hf = hf if hf is not None else _hf_model(model.checkpoint, model.dtype)
             if name == "transformers":
                 runners.append(TransformersRunner(hf))
+            elif name == "transformers-prompt-lookup":
+                runners.append(TransformersRunner(hf, name, prompt_lookup_num_tokens=10))
+            else:
+                if drafters.get("ar") is None:
+                    raise SystemExit("transformers-assisted needs --ar-drafter (a small LM with the same tokenizer)")
+                assistant = _hf_model(resolve_checkpoint(drafters["ar"]), model.dtype)
+                runners.append(TransformersRunner(hf, name, assistant_model=assistant))
         elif name == "dflash2":
-            runners.append(DFlash2Runner(model, "dflash2"))
+            runners.append(DFlash2Runner(model, name))
         else:
-            raise SystemExit(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
+            _, kind, pipeline = name.split("-")
+            if drafters.get(kind) is None:
+                raise SystemExit(f"{name} needs --{kind}-drafter")
+            if kind not in with_drafter:
+                with_drafter[kind] = model.with_drafter(drafters[kind], block_sizes.get(kind))
+            runners.append(DFlash2Runner(with_drafter[kind], name, pipeline=pipeline))
     return runners
 
 
@@ -70,7 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--datasets", default="humaneval,mtbench")
     parser.add_argument("--limit", type=int, default=20, help="prompts per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"any of {', '.join(CONFIGS)}")
+    parser.add_argument("--ar-drafter", default=None, help="small causal LM with the target's tokenizer")
+    parser.add_argument("--dflash-drafter", default=None, help="DFlash / DFlash2 drafter (z-lab format)")
+    parser.add_argument("--ngram-block-size", type=int, default=None)
+    parser.add_argument("--ar-block-size", type=int, default=None)
+    parser.add_argument("--dflash-block-size", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads for every configuration")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--doc", type=Path, default=Path("docs/benchmarks.md"))
@@ -88,7 +119,9 @@ def main(args: argparse.Namespace) -> list[Row]:
         source = smollm2_gguf()
     model = load(source, device="cpu")
     prompts: list[Prompt] = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
-    runners = build_runners(model, [c.strip() for c in args.configs.split(",")])
+    drafters = {"ngram": "ngram", "ar": args.ar_drafter, "dflash": args.dflash_drafter}
+    block_sizes = {"ngram": args.ngram_block_size, "ar": args.ar_block_size, "dflash": args.dflash_block_size}
+    runners = build_runners(model, [c.strip() for c in args.configs.split(",")], drafters, block_sizes)
     rows = run_matrix(
         runners,
         prompts,
@@ -149,6 +182,12 @@ def _cli_args(args: argparse.Namespace) -> list[str]:
         out.insert(0, f"--model {args.model}")
     if args.threads:
         out.append(f"--threads {args.threads}")
+    for kind in ("ar", "dflash"):
+        if getattr(args, f"{kind}_drafter"):
+            out.append(f"--{kind}-drafter {getattr(args, f'{kind}_drafter')}")
+    for kind in ("ngram", "ar", "dflash"):
+        if getattr(args, f"{kind}_block_size"):
+            out.append(f"--{kind}-block-size {getattr(args, f'{kind}_block_size')}")
     if args.section != "matrix":
         out.append(f"--section {args.section}")
     return out

@@ -199,6 +199,11 @@ class Decoder(nn.Module):
         """Pre-pack every projection for these forward sizes (see :mod:`dflash2.runtime.linear`)."""
         pack_linears(self, row_counts)
 
+    @property
+    def packed_rows(self) -> tuple[int, ...]:
+        """Forward sizes with pre-packed weights (fastest on CPU); empty when packing is unavailable."""
+        return self.lm_head.packed_rows
+
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
 
