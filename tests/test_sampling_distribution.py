@@ -19,6 +19,7 @@ from tiny import save_tiny, save_tiny_dflash
 
 import dflash2
 from dflash2.config import SamplingConfig
+from dflash2.engine import OverlapPolicy
 from dflash2.sampling import probabilities
 
 VOCAB8 = 8
@@ -39,8 +40,8 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def exact_marginals(path: Path, prompt_ids: list[int], config: SamplingConfig) -> list[np.ndarray]:
-    """P(t_2) and P(t_3) under the target alone, by enumeration."""
+def exact_marginals(path: Path, prompt_ids: list[int], config: SamplingConfig, last: int = 3) -> list[np.ndarray]:
+    """P(t_2) .. P(t_last) under the target alone, by enumerating every prefix."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
@@ -49,18 +50,18 @@ def exact_marginals(path: Path, prompt_ids: list[int], config: SamplingConfig) -
         with torch.no_grad():
             return probabilities(hf(torch.tensor([ids])).logits[0, -1], config).double()
 
-    p1 = dist(prompt_ids)
-    p2 = torch.zeros(VOCAB8, dtype=torch.float64)
-    p3 = torch.zeros(VOCAB8, dtype=torch.float64)
-    for a in range(VOCAB8):
-        if p1[a] == 0:
-            continue
-        pa = dist([*prompt_ids, a])
-        p2 += p1[a] * pa
-        for b in range(VOCAB8):
-            if pa[b] > 0:
-                p3 += p1[a] * pa[b] * dist([*prompt_ids, a, b])
-    return [p2.numpy(), p3.numpy()]
+    marginals = [torch.zeros(VOCAB8, dtype=torch.float64) for _ in range(last - 1)]
+    frontier = [([], 1.0)]  # (generated prefix, its probability)
+    for position in range(1, last + 1):
+        grown = []
+        for prefix, weight in frontier:
+            p = dist([*prompt_ids, *prefix]) * weight
+            if position >= 2:
+                marginals[position - 2] += p
+            if position < last:
+                grown += [([*prefix, t], float(p[t])) for t in range(VOCAB8) if p[t] > 0]
+        frontier = grown
+    return [m.numpy() for m in marginals]
 
 
 def chi_square_p(counts: np.ndarray, probs: np.ndarray, n: int) -> float:
@@ -84,36 +85,58 @@ CASES = [(name, CONFIGS[0]) for name in ("plain", "ngram", "autoregressive", "df
 ]
 
 
+def sample_marginals(model: dflash2.Model, config: SamplingConfig, tokens: int, **options: Any) -> list[np.ndarray]:
+    """Counts of new tokens 2 .. ``tokens`` over ``SAMPLES`` seeded generations; and the drafts accepted."""
+    sampling = {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}
+    counts = [np.zeros(VOCAB8) for _ in range(tokens - 1)]
+    accepted = 0
+
+    async def draw() -> list[dflash2.Completion]:
+        return [
+            await model.agenerate(PROMPT, max_new_tokens=tokens, seed=s, **sampling, **options) for s in range(SAMPLES)
+        ]
+
+    for completion in anyio.run(draw):
+        for position in range(1, tokens):
+            counts[position - 1][completion.token_ids[position]] += 1
+        accepted += sum(completion.stats.acceptance_lengths) - completion.stats.steps
+    return [*counts, np.array([accepted])]
+
+
+def check_marginals(counts: list[np.ndarray], exact: list[np.ndarray]) -> None:
+    for position, (observed, probs) in enumerate(zip(counts, exact, strict=True)):
+        p = chi_square_p(observed, probs, SAMPLES)
+        assert p > 1e-3, f"token {position + 2}: chi-square p = {p:.2e}"
+
+
 @pytest.mark.parametrize(("name", "config"), CASES, ids=[f"{n}-{'t1' if c is CONFIGS[0] else 'tkp'}" for n, c in CASES])
 def test_speculative_sampling_matches_the_target(name: str, config: SamplingConfig, paths: dict[str, Path]) -> None:
     model = dflash2.load(paths["target"], drafter=drafter_for(name, paths), block_size=3 if name != "plain" else None)
     prompt_ids = model.tokenizer(PROMPT).input_ids
     assert max(prompt_ids) < VOCAB8
-    options = {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}
-    counts = [np.zeros(VOCAB8), np.zeros(VOCAB8)]
-    accepted = 0
-
-    async def draw() -> list[dflash2.Completion]:
-        return [await model.agenerate(PROMPT, max_new_tokens=3, seed=s, **options) for s in range(SAMPLES)]
-
-    for completion in anyio.run(draw):
-        ids = completion.token_ids
-        counts[0][ids[1]] += 1
-        counts[1][ids[2]] += 1
-        accepted += sum(completion.stats.acceptance_lengths) - completion.stats.steps
-    exact = exact_marginals(paths["target"], prompt_ids, config)
-    for position in range(2):
-        p = chi_square_p(counts[position], exact[position], SAMPLES)
-        assert p > 1e-3, f"token {position + 2}: chi-square p = {p:.2e}"
+    *counts, accepted = sample_marginals(model, config, 3, pipeline="sync")
+    check_marginals(counts, exact_marginals(paths["target"], prompt_ids, config))
     if name in ("autoregressive", "dflash", "dflash2"):
-        assert accepted > 0  # the rejection path and the acceptance path both ran
+        assert accepted[0] > 0  # the rejection path and the acceptance path both ran
 
 
-def test_same_seed_same_output(paths: dict[str, Path]) -> None:
+@pytest.mark.parametrize(("name", "config"), [("autoregressive", CONFIGS[0]), ("dflash2", CONFIGS[1])])
+def test_predrafted_sampling_matches_the_target(name: str, config: SamplingConfig, paths: dict[str, Path]) -> None:
+    """The async pipeline pre-drafting every step: tokens 2..4 come from drafts made ahead."""
+    model = dflash2.load(paths["target"], drafter=drafter_for(name, paths), block_size=3)
+    model.policy = OverlapPolicy(schedule="overlap")
+    prompt_ids = model.tokenizer(PROMPT).input_ids
+    *counts, accepted = sample_marginals(model, config, 6, pipeline="async")
+    check_marginals(counts[:3], exact_marginals(paths["target"], prompt_ids, config, last=4))
+    assert accepted[0] > 0
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_same_seed_same_output(paths: dict[str, Path], pipeline: str) -> None:
     for name in ["plain", "ngram", "autoregressive", "dflash2"]:
         model = dflash2.load(
             paths["target"], drafter=drafter_for(name, paths), block_size=3 if name != "plain" else None
         )
-        a = model.generate(PROMPT, max_new_tokens=12, temperature=1.0, seed=42)
-        b = model.generate(PROMPT, max_new_tokens=12, temperature=1.0, seed=42)
+        a = model.generate(PROMPT, max_new_tokens=40, temperature=1.0, seed=42, pipeline=pipeline)
+        b = model.generate(PROMPT, max_new_tokens=40, temperature=1.0, seed=42, pipeline=pipeline)
         assert a.token_ids == b.token_ids, name

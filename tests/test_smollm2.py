@@ -9,6 +9,7 @@ import pytest
 from tiny import hf_greedy, save_tiny_dflash
 
 import dflash2
+from dflash2.engine import OverlapPolicy
 
 pytestmark = pytest.mark.smollm2
 
@@ -68,11 +69,14 @@ def test_speculative_greedy_identical_to_transformers(
 ) -> None:
     arg: Any = {"ngram": "ngram", "autoregressive": smollm2_gguf}.get(drafter) or _random_dflash(tmp_path / "d")
     model = dflash2.load(smollm2_gguf, drafter=arg, block_size={"autoregressive": 6, "dflash": 4}.get(drafter))
-    for i, prompt in enumerate(SPEC_PROMPTS):
-        completion = model.generate(prompt, max_new_tokens=128)
-        assert list(completion.token_ids) == references[i], (drafter, i)
+    model.policy = OverlapPolicy(schedule="overlap")  # the async runs pre-draft every step
+    runs = [(0, "sync")] + [(i, "async") for i in range(len(SPEC_PROMPTS))]
+    for i, pipeline in runs:
+        completion = model.generate(SPEC_PROMPTS[i], max_new_tokens=128, pipeline=pipeline)
+        assert list(completion.token_ids) == references[i], (drafter, i, pipeline)
         if drafter == "autoregressive":  # the target as its own drafter: (nearly) everything accepted
             assert completion.stats.mean_acceptance_length > 5.0
+            assert pipeline == "sync" or completion.stats.predraft_hits > 0
 
 
 def test_chat_template_matches_transformers(smollm2: dflash2.Model) -> None:

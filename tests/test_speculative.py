@@ -17,7 +17,7 @@ from dflash2.drafters import Draft, DraftContext, NGramDrafter, Outcome
 from dflash2.drafters.dflash import grouped_dynamic_convolve
 
 PROMPTS = ["abcabcabc hello abcabc", "The quick brown fox", "x = [1, 2, 3]; y = [1, 2, 3]"]
-PIPELINES = ["sync"]
+PIPELINES = ["sync", "async"]
 
 
 @pytest.fixture(scope="module")

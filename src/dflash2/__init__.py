@@ -15,11 +15,12 @@ from dflash2.errors import (
     TokenizerMismatchError,
     UnsupportedModelError,
 )
-from dflash2.stream import Completion, Stats, Token, TokenStream
+from dflash2.stream import BlockingTokenStream, Completion, Stats, Token, TokenStream
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockingTokenStream",
     "Completion",
     "ContextLengthError",
     "DFlash2Error",

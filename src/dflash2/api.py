@@ -15,12 +15,12 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash2.config import SpeculativeConfig, parse_generation_options
 from dflash2.drafters import Drafter, load_drafter
-from dflash2.engine import SyncPipeline
+from dflash2.engine import AsyncPipeline, OverlapPolicy, Request, SyncPipeline
 from dflash2.errors import ContextLengthError, InvalidOptionError, StreamStateError
-from dflash2.runtime.device import resolve_device, resolve_dtype
+from dflash2.runtime.device import Workers, resolve_device, resolve_dtype
 from dflash2.runtime.loader import load_decoder, load_eos_ids, load_tokenizer, resolve_checkpoint
 from dflash2.runtime.model import Decoder
-from dflash2.stream import Completion, TokenStream
+from dflash2.stream import BlockingTokenStream, Completion, TokenSource, TokenStream
 from dflash2.tokenize import encode_prompt
 
 
@@ -35,6 +35,7 @@ class Model:
         name: str,
         checkpoint: Path,
         drafter: Drafter | None = None,
+        workers: Workers | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -42,6 +43,8 @@ class Model:
         self.name = name
         self.checkpoint = checkpoint  # the local directory the weights were read from
         self.drafter = drafter
+        self.workers = workers if workers is not None else Workers(target.device)
+        self.policy = OverlapPolicy()  # learns, per drafter, whether drafting ahead pays
 
     @property
     def device(self) -> torch.device:
@@ -66,7 +69,11 @@ class Model:
         chosen = load_drafter(drafter, self.target, self.tokenizer, block_size)
         if chosen is not None:
             self.target.pack(verify_sizes(chosen.block_size))
-        return Model(self.target, self.tokenizer, self.eos_token_ids, self.name, self.checkpoint, chosen)
+        return Model(self.target, self.tokenizer, self.eos_token_ids, self.name, self.checkpoint, chosen, self.workers)
+
+    def close(self) -> None:
+        """Stop the compute threads now (they also stop once no model object uses them)."""
+        self.workers.close()
 
     def stream(self, prompt: Any, **options: Any) -> TokenStream:
         """Start generating; iterate the returned stream with ``async for``.
@@ -82,8 +89,22 @@ class Model:
                 f"the prompt has {len(prompt_ids)} tokens and max_new_tokens is {config.max_new_tokens}: "
                 f"{needed} > the model's context of {self.max_context}. Shorten the prompt or lower max_new_tokens."
             )
-        source = SyncPipeline(self.target, prompt_ids, config, sampling, self.drafter)
+        request = Request(self.target, prompt_ids, config, sampling, self.drafter)
+        source: TokenSource
+        if config.pipeline == "sync":
+            source = SyncPipeline(request, self.workers.verify)
+        else:
+            source = AsyncPipeline(request, self.workers, self.policy)
         return TokenStream(source, self.tokenizer, len(prompt_ids), config, self.eos_token_ids)
+
+    def stream_sync(self, prompt: Any, **options: Any) -> BlockingTokenStream:
+        """``for tok in model.stream_sync(...)``: :meth:`stream` for scripts (not inside an event loop)."""
+        if _inside_event_loop():
+            raise StreamStateError(
+                "stream_sync() blocks and cannot run inside a running event loop (Jupyter, asyncio, trio); "
+                "use `async for tok in model.stream(...)` instead."
+            )
+        return BlockingTokenStream(self.stream(prompt, **options))
 
     async def agenerate(self, prompt: Any, **options: Any) -> Completion:
         """Generate to the end and return the :class:`Completion`."""

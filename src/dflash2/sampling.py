@@ -13,12 +13,15 @@ import torch
 from dflash2.config import SamplingConfig
 
 
-def make_generator(config: SamplingConfig, device: torch.device) -> torch.Generator | None:
-    """A seeded generator for sampling (``None`` for greedy). No seed means a fresh random one."""
+def make_generator(config: SamplingConfig, device: torch.device, offset: int = 0) -> torch.Generator | None:
+    """A seeded generator for sampling (``None`` for greedy). No seed means a fresh random one.
+
+    ``offset`` derives independent streams from one seed (the drafter's is ``offset=1``).
+    """
     if config.greedy:
         return None
     generator = torch.Generator(device=device)
-    seed = config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    seed = config.seed + offset if config.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
     generator.manual_seed(seed)
     return generator
 

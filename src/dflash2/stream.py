@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import enum
 import time
+import weakref
 from collections import deque
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal, Protocol
 
 import anyio
+import anyio.from_thread
+from anyio.from_thread import BlockingPortal
 from transformers import PreTrainedTokenizerBase
 
 from dflash2.config import GenerationConfig
@@ -72,11 +77,20 @@ class EngineCounters:
 
     steps: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    overlap: float = 0.0
-    bubble: float = 0.0
+    draft_s: float = 0.0  # all drafting compute
+    verify_s: float = 0.0  # all verification compute (forward + acceptance)
+    hidden_s: float = 0.0  # drafting that ran while a verification was running
+    wait_s: float = 0.0  # verifier idle, waiting for a draft
     predraft_hits: int = 0
+
+    @property
+    def overlap(self) -> float:
+        return self.hidden_s / self.draft_s if self.draft_s > 0 else 0.0
+
+    @property
+    def bubble(self) -> float:
+        busy = self.verify_s + self.wait_s
+        return self.wait_s / busy if busy > 0 else 0.0
 
 
 class TokenSource(Protocol):
@@ -229,3 +243,69 @@ class TokenStream:
             bubble=c.bubble,
             predraft_hits=c.predraft_hits,
         )
+
+
+async def _next_or_none(stream: TokenStream) -> Token | None:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def _shut(portal_cm: AbstractContextManager[BlockingPortal], portal: BlockingPortal, stream: TokenStream) -> None:
+    try:
+        portal.call(stream.aclose)
+    finally:
+        portal_cm.__exit__(None, None, None)
+
+
+class BlockingTokenStream:
+    """``for tok in model.stream_sync(...)``: a :class:`TokenStream` for scripts.
+
+    The stream runs on an event loop in a helper thread (an anyio blocking portal) that starts
+    with the first token and stops at the end, on ``close()``, on leaving ``with``, or when the
+    iterator is garbage collected.
+    """
+
+    def __init__(self, stream: TokenStream) -> None:
+        self._stream = stream
+        self._portal: BlockingPortal | None = None
+        self._finalizer: Callable[[], object] | None = None
+        self._done = False
+
+    def __iter__(self) -> BlockingTokenStream:
+        return self
+
+    def __next__(self) -> Token:
+        if self._done:
+            raise StopIteration
+        if self._portal is None:
+            portal_cm = anyio.from_thread.start_blocking_portal()
+            self._portal = portal_cm.__enter__()
+            self._finalizer = weakref.finalize(self, _shut, portal_cm, self._portal, self._stream)
+        token = self._portal.call(_next_or_none, self._stream)
+        if token is None:
+            self.close()
+            raise StopIteration
+        return token
+
+    def close(self) -> None:
+        """Stop generating and free the cache. Idempotent."""
+        self._done = True
+        if self._finalizer is not None:
+            self._finalizer()
+            self._portal = None
+
+    def __enter__(self) -> BlockingTokenStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def completion(self) -> Completion:
+        return self._stream.completion
+
+    @property
+    def stats(self) -> Stats:
+        return self._stream.stats

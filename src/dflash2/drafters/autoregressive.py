@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from dflash2.drafters.base import Draft, DraftContext, Outcome
+from dflash2.config import SamplingConfig
+from dflash2.drafters.base import Draft, DraftContext, Outcome, PreDraft
 from dflash2.errors import InvalidOptionError
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.model import Decoder
@@ -38,22 +39,24 @@ class AutoregressiveDrafter:
 
 
 class AutoregressiveSession:
+    """Keeps the draft model's cache on the verified text; drafts by sequential forwards.
+
+    ``_seq`` is the verified text (prompt + output; its last token is the last verified one)
+    and ``_cached`` the tokens whose keys/values are in the draft cache. Before drafting, the
+    cache is cut back to their common prefix and the rest of ``_seq`` is fed, so accepted,
+    rejected and pre-drafted tokens all fall out of one rule.
+    """
+
     def __init__(self, drafter: AutoregressiveDrafter, context: DraftContext) -> None:
         self._d = drafter
         self._model = drafter.model
         self._sampling = context.sampling
         self._generator = context.generator
-        self._cache: KVCache | None = self._model.new_cache(context.max_tokens + drafter.block_size)
-        # Tokens the draft model has not processed yet; the last one is the last verified token.
-        self._pending: list[int] = [*context.prompt_ids, context.first_token]
-        self._proposed: list[int] = []
-
-    def _step_logits(self, tokens: list[int]) -> torch.Tensor:
-        assert self._cache is not None
-        ids = torch.tensor([tokens], device=self._model.device)
-        logits = self._model(ids, self._cache, logits="last").logits
-        assert logits is not None
-        return self._fit_vocab(logits[0, -1])
+        self._cache: KVCache | None = self._model.new_cache(context.max_tokens + 2 * drafter.block_size)
+        self._seq: list[int] = [*context.prompt_ids, context.first_token]
+        self._cached: list[int] = []
+        self._proposal: list[int] = []
+        self._pre: PreDraft | None = None
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Restrict (or pad) the drafter's logits to the target's vocabulary size."""
@@ -65,13 +68,28 @@ class AutoregressiveSession:
             return torch.cat([logits, pad], dim=-1)
         return logits
 
-    def propose(self, max_tokens: int) -> Draft:
-        k = min(self._d.block_size - 1, max_tokens)
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        """Process ``tokens`` after the cached ones; logits after the last of them."""
+        assert self._cache is not None
+        ids = torch.tensor([tokens], device=self._model.device)
+        logits = self._model(ids, self._cache, logits="last").logits
+        assert logits is not None
+        self._cached.extend(tokens)
+        return self._fit_vocab(logits[0, -1])
+
+    def _draft_after(self, context: list[int], count: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Draft ``count`` tokens continuing ``context`` (its last token included)."""
+        assert self._cache is not None
+        common = 0
+        limit = min(len(self._cached), len(context) - 1)  # the last token must be fed to get logits
+        while common < limit and self._cached[common] == context[common]:
+            common += 1
+        self._cache.rollback(common)
+        del self._cached[common:]
+        logits = self._feed(context[common:])
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
-        feed = self._pending
-        for _ in range(k):
-            logits = self._step_logits(feed)
+        for i in range(count):
             if self._sampling.greedy:
                 token = int(logits.argmax())
             else:
@@ -79,27 +97,47 @@ class AutoregressiveSession:
                 token = int(sample(q, self._generator))
                 rows.append(q)
             tokens.append(token)
-            feed = [token]
-        # the draft model has processed pending + tokens[:-1]; the last draft token is not cached
-        self._pending = tokens[-1:] if tokens else self._pending
-        self._proposed = tokens
-        probs = torch.stack(rows) if rows else None
-        return Draft(torch.tensor(tokens, dtype=torch.long), probs)
+            if i + 1 < count:
+                logits = self._feed([token])
+        return tokens, rows
+
+    @staticmethod
+    def _as_draft(tokens: list[int], rows: list[torch.Tensor]) -> Draft:
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(rows) if rows else None)
+
+    def propose(self, max_tokens: int) -> Draft:
+        k = min(self._d.block_size - 1, max_tokens)
+        tokens, rows = self._draft_after(self._seq, k) if k > 0 else ([], [])
+        self._proposal = tokens
+        return self._as_draft(tokens, rows)
+
+    def predraft(self, max_tokens: int) -> PreDraft | None:
+        """Assume the whole proposal is accepted: guess the bonus, then draft after it."""
+        k = min(self._d.block_size - 1, max_tokens)
+        if not self._proposal or k <= 0:
+            return None
+        hypothesis = self._seq + self._proposal
+        guess, _ = self._draft_after(hypothesis, 1) if self._sampling.greedy else self._greedy_guess(hypothesis)
+        tokens, rows = self._draft_after([*hypothesis, guess[0]], k)
+        self._pre = PreDraft(guess[0], self._as_draft(tokens, rows))
+        return self._pre
+
+    def _greedy_guess(self, context: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+        """Under sampling the bonus is drawn from the target; guess its most likely value."""
+        saved, self._sampling = self._sampling, SamplingConfig()
+        try:
+            return self._draft_after(context, 1)
+        finally:
+            self._sampling = saved
 
     def observe(self, outcome: Outcome) -> None:
-        assert self._cache is not None
-        k, a = len(self._proposed), outcome.accepted
-        if k == 0:
-            self._pending = [*self._pending, outcome.next_token]
+        pre, self._pre = self._pre, None
+        if pre is not None and pre.matches(outcome, len(self._proposal)):
+            self._seq += [*self._proposal, pre.next_token]
+            self._proposal = [int(t) for t in pre.draft.tokens]
             return
-        if a == k:
-            # everything was accepted: the last draft token still has to be processed
-            self._pending = [self._proposed[-1], outcome.next_token]
-        else:
-            # cached: ..., d_1 .. d_{k-1}; keep d_1 .. d_a, drop the rejected rest
-            self._cache.rollback(self._cache.length - (k - 1 - a))
-            self._pending = [outcome.next_token]
-        self._proposed = []
+        self._seq += [*self._proposal[: outcome.accepted], outcome.next_token]
+        self._proposal = []
 
     def close(self) -> None:
         self._cache = None

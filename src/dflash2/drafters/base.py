@@ -3,6 +3,7 @@
 A ``Drafter`` holds what is shared (weights, settings) and is safe to use from several
 requests at once; ``start`` gives a ``DraftSession`` with one request's state. The engine asks
 the session for a draft from the verified state, verifies it, and tells the session the outcome.
+Sessions that also implement ``PreDrafting`` can draft the next block while one is verified.
 """
 
 from __future__ import annotations
@@ -87,3 +88,24 @@ class Drafter(Protocol):
         ...
 
     def start(self, context: DraftContext) -> DraftSession: ...
+
+
+@dataclass(frozen=True)
+class PreDraft:
+    """A draft made while the last proposal is still being verified, for the likely outcome:
+    every proposed token accepted and followed by ``next_token``."""
+
+    next_token: int
+    draft: Draft
+
+    def matches(self, outcome: Outcome, proposed: int) -> bool:
+        return outcome.accepted == proposed and outcome.next_token == self.next_token
+
+
+@runtime_checkable
+class PreDrafting(Protocol):
+    """Sessions that can draft ahead. ``predraft`` runs after ``propose`` and while its block is
+    verified; the following ``observe`` keeps the pre-draft as the current proposal when it
+    :meth:`PreDraft.matches` the outcome and drops it otherwise."""
+
+    def predraft(self, max_tokens: int) -> PreDraft | None: ...

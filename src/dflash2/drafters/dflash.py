@@ -25,7 +25,7 @@ from torch import nn
 from transformers import Qwen3Config
 
 from dflash2.config import SamplingConfig
-from dflash2.drafters.base import Draft, DraftContext, Outcome
+from dflash2.drafters.base import Draft, DraftContext, Outcome, PreDraft
 from dflash2.errors import DrafterError
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.linear import Linear, pack_linears
@@ -467,6 +467,14 @@ class DFlashDrafter:
 
 
 class DFlashSession:
+    """One request: the drafter's context cache follows the verified text.
+
+    ``propose`` drafts from the block ``[last, MASK x (B-1)]``. ``predraft`` runs while that
+    block is verified and assumes it is accepted whole: the block ``[last, d_1 .. d_k, MASK x
+    (B-1)]`` (the unverified drafts as clean embeddings, their features not known yet) gives a
+    guess of the bonus token and the drafts after it.
+    """
+
     def __init__(self, drafter: DFlashDrafter, context: DraftContext) -> None:
         if context.prompt_hidden is None:
             raise DrafterError("the DFlash drafter needs the target's hidden states of the prompt.")
@@ -474,44 +482,68 @@ class DFlashSession:
         self._model = drafter.model
         self._sampling = context.sampling
         self._generator = context.generator
-        self._cache: KVCache | None = self._model.new_cache(context.max_tokens + drafter.block_size)
+        self._cache: KVCache | None = self._model.new_cache(context.max_tokens + 2 * drafter.block_size)
         self._pending: list[torch.Tensor] = [context.prompt_hidden]  # features not yet in the cache
         self._last = context.first_token
-        spec = self._model.spec
-        self._mask_ids = torch.full((drafter.block_size - 1,), spec.mask_token_id, dtype=torch.long)
+        self._proposal: list[int] = []
+        self._pre: PreDraft | None = None
+
+    def _draft_states(self, clean: list[int]) -> torch.Tensor:
+        """Draft states [1, B-1, D] for the masks after the ``clean`` tokens; feeds pending features."""
+        assert self._cache is not None
+        target, model, spec = self._d.target, self._model, self._model.spec
+        ids = [*clean, *[spec.mask_token_id] * (self._d.block_size - 1)]
+        block = torch.tensor([ids], device=model.device)
+        embeds = target.embed(block) * spec.input_embedding_scale
+        width = len(spec.target_layer_ids) * spec.hidden_size
+        pending = self._pending or [torch.zeros(0, width)]
+        features = torch.cat(pending, dim=0)[None].to(device=model.device, dtype=model.dtype)
+        self._pending = []
+        return model(embeds, model.project_context(features), self._cache)[:, len(clean) :]
+
+    def _pick(
+        self, hidden: torch.Tensor, anchor: int, sampling: SamplingConfig
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens [T] (and their distributions [T, vocab] when sampling) for draft states [1, T, D]."""
+        model = self._model
+        logits = model.logits(hidden, self._d.target.lm_head)
+        if model.candidate_selector is not None:
+            anchors = torch.tensor([anchor], device=model.device)
+            tokens, probs = model.candidate_selector.select(hidden, logits, anchors, sampling, self._generator)
+            return tokens[0], probs[0] if probs is not None else None
+        if sampling.greedy:
+            return logits[0].argmax(-1), None
+        probs = probabilities(logits[0], sampling)
+        return sample(probs, self._generator), probs
 
     def propose(self, max_tokens: int) -> Draft:
         k = min(self._d.block_size - 1, max_tokens)
         if k <= 0:
+            self._proposal = []
             return Draft(torch.zeros(0, dtype=torch.long))
-        assert self._cache is not None
-        target, model, spec = self._d.target, self._model, self._model.spec
-        device = model.device
-        block = torch.cat([torch.tensor([self._last]), self._mask_ids]).to(device)[None]
-        embeds = target.embed(block) * spec.input_embedding_scale
-        features = torch.cat(self._pending, dim=0)[None].to(device=device, dtype=model.dtype)
-        self._pending = []
-        hidden = model(embeds, model.project_context(features), self._cache)[:, 1:]
-        logits = model.logits(hidden, target.lm_head)
-        probs: torch.Tensor | None = None
-        if model.candidate_selector is not None:
-            tokens, probs = model.candidate_selector.select(
-                hidden, logits, block[:, 0], self._sampling, self._generator
-            )
-            tokens = tokens[0]
-            probs = probs[0] if probs is not None else None
-        elif self._sampling.greedy:
-            tokens = logits[0].argmax(-1)
-        else:
-            probs = probabilities(logits[0], self._sampling)
-            tokens = sample(probs, self._generator)
+        tokens, probs = self._pick(self._draft_states([self._last]), self._last, self._sampling)
+        self._proposal = [int(t) for t in tokens[:k]]
         return Draft(tokens[:k].cpu(), probs[:k] if probs is not None else None)
+
+    def predraft(self, max_tokens: int) -> PreDraft | None:
+        k = min(self._d.block_size - 2, max_tokens)
+        if not self._proposal or k <= 0:
+            return None
+        clean = [self._last, *self._proposal]
+        hidden = self._draft_states(clean)
+        guess, _ = self._pick(hidden[:, :1], clean[-1], SamplingConfig())  # the likeliest bonus
+        tokens, probs = self._pick(hidden[:, 1 : k + 1], int(guess[0]), self._sampling)
+        self._pre = PreDraft(int(guess[0]), Draft(tokens.cpu(), probs))
+        return self._pre
 
     def observe(self, outcome: Outcome) -> None:
         if outcome.hidden is None:
             raise DrafterError("the DFlash drafter needs the target's hidden states of the verified tokens.")
         self._pending.append(outcome.hidden)
         self._last = outcome.next_token
+        pre, self._pre = self._pre, None
+        hit = pre is not None and pre.matches(outcome, len(self._proposal))
+        self._proposal = [int(t) for t in pre.draft.tokens] if pre is not None and hit else []
 
     def close(self) -> None:
         self._cache = None
@@ -527,7 +559,7 @@ def load_dflash_drafter(
 ) -> DFlashDrafter:
     spec = DFlashSpec.from_config(raw_config)
     spec.check_target(target)
-    # a block drafted near the end of the context reaches up to 64 positions past it
-    model = DFlashModel.from_zlab_state(spec, tensors, target.spec.max_position_embeddings + 64, target.dtype)
+    # a (pre-)drafted block near the end of the context reaches up to 128 positions past it
+    model = DFlashModel.from_zlab_state(spec, tensors, target.spec.max_position_embeddings + 128, target.dtype)
     model = model.to(target.device).eval().requires_grad_(False)
     return DFlashDrafter(model, target, block_size=block_size, name=name)

@@ -1,5 +1,8 @@
 """Generation engines: the pipelines that turn a prompt into chunks of new token ids."""
 
+from dflash2.engine.pipeline import AsyncPipeline
+from dflash2.engine.policy import OverlapPolicy
+from dflash2.engine.request import Request
 from dflash2.engine.sync import SyncPipeline
 
-__all__ = ["SyncPipeline"]
+__all__ = ["AsyncPipeline", "OverlapPolicy", "Request", "SyncPipeline"]
