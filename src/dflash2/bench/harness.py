@@ -34,6 +34,8 @@ class Row:
     time_to_first_token_s: float | None = None
     overlap: float | None = None
     bubble: float | None = None
+    predraft_hit_rate: float | None = None  # pre-drafts confirmed per verify step
+    overlap_bound: float | None = None  # T_draft / (T_draft + T_verify): the most overlap can hide
     acceptance_lengths: list[int] = field(default_factory=list)
 
     @property
@@ -93,6 +95,9 @@ def _aggregate(runner: Runner, dataset: str, runs: list[tuple[RunResult, bool]])
     ttfts = [r.time_to_first_token_s for r, _ in runs if r.time_to_first_token_s is not None]
     overlaps = [r.overlap for r, _ in runs if r.overlap is not None]
     bubbles = [r.bubble for r, _ in runs if r.bubble is not None]
+    draft_s = sum(r.draft_s for r, _ in runs)
+    verify_s = sum(r.verify_s for r, _ in runs)
+    drafted = bool(lengths) and draft_s > 0
     return Row(
         config=runner.name,
         group=runner.group,
@@ -106,6 +111,8 @@ def _aggregate(runner: Runner, dataset: str, runs: list[tuple[RunResult, bool]])
         time_to_first_token_s=statistics.median(ttfts) if ttfts else None,
         overlap=statistics.mean(overlaps) if overlaps else None,
         bubble=statistics.mean(bubbles) if bubbles else None,
+        predraft_hit_rate=sum(r.predraft_hits for r, _ in runs) / len(lengths) if drafted else None,
+        overlap_bound=draft_s / (draft_s + verify_s) if drafted else None,
         acceptance_lengths=lengths,
     )
 

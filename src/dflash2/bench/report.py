@@ -25,15 +25,16 @@ def markdown_table(rows: Sequence[Row]) -> str:
     """One line per configuration and dataset; rows without 100 % identical outputs are flagged."""
     lines = [
         "| dataset | configuration | tokens/s | speedup vs transformers | tokens per target forward "
-        "| TTFT (s) | overlap | bubble | identical |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| TTFT (s) | overlap | overlap bound | bubble | pre-draft hits | identical |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         flag = "" if r.all_identical else " ⚠ NOT IDENTICAL"
         lines.append(
             f"| {r.dataset} | {r.config} | {r.tokens_per_second:.1f} | {r.speedup:.2f}× "
             f"| {_fmt(r.mean_acceptance_length, '.2f')} | {_fmt(r.time_to_first_token_s, '.3f')} "
-            f"| {_fmt(r.overlap, '.0%')} | {_fmt(r.bubble, '.0%')} | {r.identical}/{r.prompts}{flag} |"
+            f"| {_fmt(r.overlap, '.0%')} | {_fmt(r.overlap_bound, '.0%')} | {_fmt(r.bubble, '.0%')} "
+            f"| {_fmt(r.predraft_hit_rate, '.0%')} | {r.identical}/{r.prompts}{flag} |"
         )
     return "\n".join(lines)
 

