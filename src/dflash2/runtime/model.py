@@ -72,6 +72,10 @@ class RotaryTable(nn.Module):
         """Tables [new, 1, head_dim] for positions ``start .. start + new - 1``."""
         return self.cos[start : start + new], self.signed_sin[start : start + new]
 
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables [N, 1, head_dim] for arbitrary ``positions`` [N] (training several blocks at once)."""
+        return self.cos[positions], self.signed_sin[positions]
+
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Grouped-query attention through SDPA: q [B, T, H, D], keys/values [B, KV, S, D] -> [B, T, H * D].
@@ -214,6 +218,7 @@ class Decoder(nn.Module):
         *,
         logits: str = "all",
         capture: Sequence[int] = (),
+        visible: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run T new tokens [B, T] after the ``cache.length`` cached ones and advance the cache.
 
@@ -221,12 +226,19 @@ class Decoder(nn.Module):
         ``capture``: layer ids whose outputs are returned for the new tokens, concatenated along
         the feature axis; layer i gives transformers' ``hidden_states[i + 1]`` (so the last
         layer's comes after the final norm, as there).
+        ``visible``: [B, cache.length + T] bool, False at padding (batched generation of prompts
+        of different lengths, left-padded); a padding token still sees itself.
         """
         start, new = cache.length, input_ids.shape[1]
         cache.check_room(new)
         x = self.embed(input_ids)
         rope = self.rope(start, new)
         mask = block_causal_mask(start, new, x.device)
+        if visible is not None:
+            keys = torch.arange(start + new, device=x.device)
+            itself = keys[None, :] == torch.arange(start, start + new, device=x.device)[:, None]
+            causal = mask if mask is not None else torch.ones_like(itself)
+            mask = (causal & visible[:, None, None, :]) | itself
         wanted = set(capture)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,77 @@
+"""``TrainConfig``: every setting of ``dflash2 train-drafter``, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash2.errors import InvalidOptionError
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Distil a DFlash block drafter from ``target`` (DFlash recipe, CPU-sized defaults).
+
+    Data: ``samples`` prompts (the offline default corpus, ``prompts`` jsonl or ``text`` dir)
+    answered by the target itself (``temperature``, up to ``max_new_tokens``), cached with the
+    target's features under ``out/data``. Model: ``num_layers`` drafter layers reading
+    ``target_layer_ids`` (default: spread over the target). Objective: ``anchors`` random blocks per
+    sequence, cross-entropy on block positions 1..B-1 weighted ``exp(-(k-1)/gamma)``; a share
+    ``predraft`` of blocks is trained for pre-drafting (context features stop up to a block before
+    the anchor, the tokens in between given as clean embeddings).
+    """
+
+    target: str
+    out: Path
+    prompts: Path | None = None
+    text: Path | None = None
+    samples: int = 512
+    max_new_tokens: int = 192
+    max_prompt_tokens: int = 256
+    temperature: float = 0.7
+    generation_batch: int = 16
+    block_size: int = 8
+    num_layers: int = 1
+    target_layer_ids: tuple[int, ...] | None = None
+    mask_token_id: int | None = None
+    steps: int = 1000
+    anchors: int = 32
+    accumulate: int = 4
+    lr: float = 6e-4
+    warmup: float = 0.04
+    gamma: float | None = None
+    predraft: float = 0.25
+    checkpoint_every: int = 100
+    seed: int = 0
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        positive = ("samples", "max_new_tokens", "max_prompt_tokens", "generation_batch", "num_layers", "steps")
+        for name in (*positive, "anchors", "accumulate", "checkpoint_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidOptionError(f"{name} must be a positive int, got {value!r}.")
+        if not 2 <= self.block_size <= 64:
+            raise InvalidOptionError(f"block_size must be in [2, 64], got {self.block_size}.")
+        if self.prompts is not None and self.text is not None:
+            raise InvalidOptionError("pass either prompts (a .jsonl file) or text (a directory), not both.")
+        if not 0.0 <= self.predraft <= 1.0:
+            raise InvalidOptionError(f"predraft is a share of blocks in [0, 1], got {self.predraft}.")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise InvalidOptionError(f"temperature must be in [0, 2], got {self.temperature}.")
+        if not self.lr > 0 or not 0.0 <= self.warmup < 1.0:
+            raise InvalidOptionError("lr must be > 0 and warmup a share of the steps in [0, 1).")
+
+    @property
+    def loss_gamma(self) -> float:
+        """Decay of the position weights: the DFlash recipe's 7 / 5 / 4 for blocks of 16 / 10 / 8."""
+        if self.gamma is not None:
+            return self.gamma
+        return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, max(1.0, self.block_size / 2.2))
+
+
+def spread_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """``target_layer_ids`` of the recipe: round(1 + i (L - 4) / (n - 1)); n = 1 gives L // 2."""
+    if count == 1:
+        return (num_target_layers // 2,)
+    return tuple(round(1 + i * (num_target_layers - 4) / (count - 1)) for i in range(count))

@@ -1,0 +1,109 @@
+"""Self-distilled sequences and their target features, cached on disk so training can resume.
+
+``out/data/responses.jsonl`` holds one generated response per prompt (appended batch by batch);
+``out/data/features/NNNNN.safetensors`` holds each sequence's ids and the target features of
+``target_layer_ids`` (fp16, teacher-forced over prompt + response). Finished parts are skipped
+on the next run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from dflash2.api import Model
+from dflash2.config import SamplingConfig
+from dflash2.tokenize import encode_prompt
+from dflash2.train.corpus import Prompt
+from dflash2.train.generate import generate_batch
+
+
+@dataclass(frozen=True)
+class TrainingSequence:
+    """One training sequence: ``ids`` [N], the response starts at ``prompt_len``; ``features`` [N, F]."""
+
+    ids: torch.Tensor
+    prompt_len: int
+    features: torch.Tensor
+
+
+def generate_responses(
+    model: Model,
+    prompts: Sequence[Prompt],
+    path: Path,
+    max_new_tokens: int,
+    max_prompt_tokens: int,
+    temperature: float,
+    batch: int,
+    seed: int,
+    progress: bool = True,
+) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) per prompt; cached in ``path`` and resumed from it."""
+    encoded = [encode_prompt(model.tokenizer, p)[-max_prompt_tokens:] for p in prompts]
+    done: dict[int, list[int]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            done[int(record["index"])] = [int(t) for t in record["response"]]
+    todo = sorted((i for i in range(len(encoded)) if i not in done), key=lambda i: len(encoded[i]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(total=len(encoded), initial=len(done), disable=not progress, desc="self-distil", unit="prompt")
+    with path.open("a") as sink:
+        for start in range(0, len(todo), batch):
+            chunk = todo[start : start + batch]
+            sampling = SamplingConfig(temperature=temperature, seed=seed + start)
+            responses = generate_batch(
+                model.target, [encoded[i] for i in chunk], max_new_tokens, sampling, model.eos_token_ids
+            )
+            for i, response in zip(chunk, responses, strict=True):
+                done[i] = response
+                sink.write(json.dumps({"index": i, "response": response}) + "\n")
+            sink.flush()
+            bar.update(len(chunk))
+    bar.close()
+    return [(encoded[i], done[i]) for i in range(len(encoded))]
+
+
+@torch.inference_mode()
+def cache_features(
+    model: Model,
+    pairs: Sequence[tuple[list[int], list[int]]],
+    layer_ids: Sequence[int],
+    directory: Path,
+    progress: bool = True,
+) -> list[Path]:
+    """Teacher-forced target features of every sequence, one file each; existing files are kept."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files = []
+    for index, (prompt, response) in enumerate(tqdm(pairs, disable=not progress, desc="features", unit="seq")):
+        file = directory / f"{index:05d}.safetensors"
+        files.append(file)
+        if file.is_file() or len(response) < 2:
+            continue
+        ids = torch.tensor([prompt + response], device=model.device)
+        cache = model.target.new_cache(ids.shape[1])
+        out = model.target(ids, cache, logits="none", capture=tuple(layer_ids))
+        assert out.hidden is not None
+        save_file(
+            {
+                "ids": ids[0].cpu(),
+                "prompt_len": torch.tensor([len(prompt)]),
+                "features": out.hidden[0].to(torch.float16).cpu().contiguous(),
+            },
+            str(file),
+        )
+    return [f for f in files if f.is_file()]
+
+
+def load_sequences(files: Sequence[Path]) -> list[TrainingSequence]:
+    out = []
+    for file in files:
+        t = load_file(str(file))
+        out.append(TrainingSequence(t["ids"], int(t["prompt_len"][0]), t["features"]))
+    return out

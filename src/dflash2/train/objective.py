@@ -1,0 +1,76 @@
+"""The training objective as pure functions: anchors, block layout, visibility, weighted loss.
+
+A training block for anchor ``a`` with ``clean`` tokens: positions ``s .. a`` hold real tokens
+(``s = a - clean + 1``; ``clean = 1`` is the plain DFlash block ``[anchor, MASK ...]``), positions
+``a + 1 .. a + B - 1`` hold the mask token and are predicted. The block sees the context features
+of positions ``< s`` and, bidirectionally, itself; no other block. ``clean > 1`` is the layout of a
+pre-draft (``[x, d_1 .. d_k, MASK ...]``, the drafts' features not known yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Weights [B - 1] of predicted positions k = 1 .. B-1: ``exp(-(k - 1) / gamma)``."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def sample_anchors(first: int, length: int, count: int, clean: int, generator: torch.Generator) -> torch.Tensor:
+    """Up to ``count`` distinct anchors in ``[max(first, clean), length - 2]`` (at least one label)."""
+    low = max(first, clean)
+    high = length - 2
+    if high < low:
+        return torch.zeros(0, dtype=torch.long)
+    choices = torch.randperm(high - low + 1, generator=generator)[:count] + low
+    return choices.sort().values
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Flattened training blocks of one sequence."""
+
+    ids: torch.Tensor  # [A, L] clean tokens then mask ids, L = clean + B - 1
+    positions: torch.Tensor  # [A, L]
+    starts: torch.Tensor  # [A] first position of each block (context features stop before it)
+    labels: torch.Tensor  # [A, B - 1] target tokens of the masked positions, -100 past the end
+
+
+def layout(tokens: torch.Tensor, anchors: torch.Tensor, clean: int, block_size: int, mask_id: int) -> Blocks:
+    """Blocks for ``anchors`` in the sequence ``tokens`` [N]."""
+    n = tokens.shape[0]
+    width = clean + block_size - 1
+    starts = anchors - clean + 1
+    positions = starts[:, None] + torch.arange(width)[None, :]
+    ids = torch.full((anchors.shape[0], width), mask_id, dtype=torch.long)
+    ids[:, :clean] = tokens[positions[:, :clean]]
+    targets = positions[:, clean:]
+    labels = torch.where(targets < n, tokens[targets.clamp(max=n - 1)], torch.full_like(targets, -100))
+    return Blocks(ids, positions, starts, labels)
+
+
+def visibility(blocks: Blocks, context: int) -> torch.Tensor:
+    """Bool [A * L, context + A * L]: each block sees context positions before its start and itself."""
+    a, width = blocks.ids.shape
+    ctx = torch.arange(context)[None, :] < blocks.starts[:, None]  # [A, C]
+    ctx = ctx.repeat_interleave(width, dim=0)  # [A * L, C]
+    owner = torch.arange(a).repeat_interleave(width)
+    own = owner[:, None] == owner[None, :]  # [A * L, A * L]
+    return torch.cat([ctx, own], dim=1)
+
+
+def weighted_loss(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Loss (weighted mean CE), per-position correct counts [B - 1] and label counts [B - 1]."""
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="none")
+    valid = (labels != -100).float()
+    w = weights[None, :] * valid
+    loss = (ce.view_as(w) * w).sum() / w.sum().clamp(min=1e-9)
+    correct = ((logits.argmax(-1) == labels).float() * valid).sum(0)
+    return loss, correct, valid.sum(0)

@@ -1,0 +1,231 @@
+"""``train_drafter``: self-distil data, train a DFlash drafter on the target's features, export it.
+
+The drafter is built and run by ``dflash2.drafters.dflash`` itself, so what is trained is exactly
+what is served; it shares the target's embedding and LM head (frozen). Checkpoints (weights,
+AdamW state, step, data order) are safetensors + JSON under ``out/checkpoints`` and a new run
+resumes from the latest one. The result is exported in the z-lab format to ``out/drafter``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from dflash2.api import Model, load
+from dflash2.drafters.dflash import DFlashModel, DFlashSpec, ours_to_zlab
+from dflash2.errors import DrafterError
+from dflash2.runtime.model import rms_norm
+from dflash2.train import corpus
+from dflash2.train.config import TrainConfig, spread_layers
+from dflash2.train.data import TrainingSequence, cache_features, generate_responses, load_sequences
+from dflash2.train.objective import Blocks, layout, position_weights, sample_anchors, visibility, weighted_loss
+
+_TARGET_KEYS = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+    "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "vocab_size", "attention_bias",
+)  # fmt: skip
+
+
+def drafter_config(target: Model, cfg: TrainConfig) -> dict[str, Any]:
+    """The z-lab ``config.json`` of a new drafter for ``target``."""
+    raw = json.loads((target.checkpoint / "config.json").read_text())
+    spec = target.target.spec
+    config: dict[str, Any] = {k: raw[k] for k in _TARGET_KEYS if raw.get(k) is not None}
+    config.update(
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        hidden_act="silu",
+        head_dim=spec.head_dim,
+        num_key_value_heads=spec.num_kv_heads,
+        attention_bias=False,
+        num_hidden_layers=cfg.num_layers,
+        tie_word_embeddings=False,
+        num_target_layers=spec.num_layers,
+        dflash_config={
+            "block_size": cfg.block_size,
+            "mask_token_id": mask_token(target, cfg),
+            "target_layer_ids": list(cfg.target_layer_ids or spread_layers(spec.num_layers, 3)),
+        },
+    )
+    return config
+
+
+def mask_token(target: Model, cfg: TrainConfig) -> int:
+    """An existing embedding row the data never uses: the last special token that is not EOS/BOS/pad."""
+    if cfg.mask_token_id is not None:
+        return cfg.mask_token_id
+    tok = target.tokenizer
+    taken = {tok.bos_token_id, tok.pad_token_id, *target.eos_token_ids}
+    special = [i for i in tok.all_special_ids if i not in taken and i < target.target.spec.vocab_size]
+    return max(special) if special else target.target.spec.vocab_size - 1
+
+
+def new_drafter(spec: DFlashSpec, target: Model, seed: int) -> DFlashModel:
+    torch.manual_seed(seed)
+    model = DFlashModel(spec, target.max_context + 128).to(target.device)
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            torch.nn.init.normal_(param, std=0.02)
+        elif "norm" in name or name.endswith("layernorm"):
+            torch.nn.init.ones_(param)
+        else:
+            torch.nn.init.zeros_(param)
+    return model
+
+
+def draft_logits(model: DFlashModel, target: Model, seq: TrainingSequence, blocks: Blocks) -> torch.Tensor:
+    """Drafter logits [A, B - 1, vocab] of the masked positions of every block, in one forward."""
+    spec, device = model.spec, model.device
+    a, width = blocks.ids.shape
+    context = model.project_context(seq.features[None].to(device=device, dtype=model.dtype))
+    n = context.shape[1]
+    x = target.target.embed(blocks.ids.to(device)).reshape(1, a * width, -1) * spec.input_embedding_scale
+    q_pos = blocks.positions.flatten().to(device)
+    rope_q = model.rope.at(q_pos)
+    rope_k = model.rope.at(torch.cat([torch.arange(n, device=device), q_pos]))
+    mask = visibility(blocks, n).to(device)
+    for i, layer in enumerate(model.layers):
+        x = layer(x, context, rope_q, rope_k, None, i, mask)
+    hidden = rms_norm(x, model.norm, spec.rms_norm_eps).view(a, width, -1)[:, width - spec.block_size + 1 :]
+    return model.logits(hidden, target.target.lm_head)
+
+
+class _Checkpoints:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def latest(self) -> Path | None:
+        found = sorted(self.directory.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+        return found[-1] if found else None
+
+    def save(self, step: int, model: DFlashModel, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        path = self.directory / f"step-{step:06d}"
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+        moments: dict[str, torch.Tensor] = {}
+        for index, param_state in optimizer.state_dict()["state"].items():
+            for key, value in param_state.items():
+                moments[f"{index}.{key}"] = torch.as_tensor(value).contiguous()
+        save_file(moments, str(path / "optimizer.safetensors"))
+        (path / "state.json").write_text(json.dumps({"step": step, **state}))
+        for old in sorted(self.directory.glob("step-*"))[:-2]:  # keep the last two
+            for f in old.iterdir():
+                f.unlink()
+            old.rmdir()
+
+    def restore(self, path: Path, model: DFlashModel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        model.load_state_dict(load_file(str(path / "model.safetensors")))
+        moments = load_file(str(path / "optimizer.safetensors"))
+        saved = optimizer.state_dict()
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in moments.items():
+            index, name = key.split(".", 1)
+            state.setdefault(int(index), {})[name] = value
+        saved["state"] = state
+        optimizer.load_state_dict(saved)
+        restored: dict[str, Any] = json.loads((path / "state.json").read_text())
+        return restored
+
+
+def _lr_factor(step: int, total: int, warmup: float) -> float:
+    warm = max(1, round(warmup * total))
+    if step < warm:
+        return (step + 1) / warm
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+
+
+def prompts_for(cfg: TrainConfig) -> list[corpus.Prompt]:
+    if cfg.prompts is not None:
+        return corpus.load_prompts(cfg.prompts)[: cfg.samples]
+    if cfg.text is not None:
+        return list(corpus.load_text(cfg.text)[: cfg.samples])
+    return corpus.default_corpus(cfg.samples, seed=cfg.seed)
+
+
+def prepare_data(target: Model, cfg: TrainConfig, layer_ids: Sequence[int], progress: bool) -> list[TrainingSequence]:
+    data = cfg.out / "data"
+    pairs = generate_responses(
+        target,
+        prompts_for(cfg),
+        data / "responses.jsonl",
+        cfg.max_new_tokens,
+        cfg.max_prompt_tokens,
+        cfg.temperature,
+        cfg.generation_batch,
+        cfg.seed,
+        progress,
+    )
+    files = cache_features(target, pairs, layer_ids, data / f"features-{'-'.join(map(str, layer_ids))}", progress)
+    return load_sequences(files)
+
+
+def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
+    """Run (or resume) a training; return the exported drafter directory."""
+    target = load(cfg.target, device=cfg.device)
+    config = drafter_config(target, cfg)
+    spec = DFlashSpec.from_config(config)
+    spec.check_target(target.target)
+    sequences = prepare_data(target, cfg, spec.target_layer_ids, progress)
+    if not sequences:
+        raise DrafterError("no training sequences: every response was shorter than two tokens.")
+    model = new_drafter(spec, target, cfg.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    checkpoints = _Checkpoints(cfg.out / "checkpoints")
+    start, history = 0, []
+    latest = checkpoints.latest()
+    if latest is not None:
+        saved = checkpoints.restore(latest, model, optimizer)
+        start, history = int(saved["step"]), list(saved.get("history", []))
+    weights = position_weights(cfg.block_size, cfg.loss_gamma).to(target.device)
+    rng = random.Random(cfg.seed * 1_000_003 + start)
+    generator = torch.Generator().manual_seed(cfg.seed * 7_919 + start)
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress, desc="train")
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * _lr_factor(step, cfg.steps, cfg.warmup)
+        correct = torch.zeros(cfg.block_size - 1)
+        counted = torch.zeros(cfg.block_size - 1)
+        total_loss = 0.0
+        for _ in range(cfg.accumulate):
+            seq = sequences[rng.randrange(len(sequences))]
+            predraft = rng.random() < cfg.predraft
+            clean = rng.randint(2, cfg.block_size) if predraft else 1
+            anchors = sample_anchors(seq.prompt_len, seq.ids.shape[0], cfg.anchors, clean, generator)
+            if anchors.numel() == 0:
+                continue
+            blocks = layout(seq.ids, anchors, clean, cfg.block_size, spec.mask_token_id)
+            logits = draft_logits(model, target, seq, blocks)
+            loss, c, n = weighted_loss(logits, blocks.labels.to(target.device), weights)
+            (loss / cfg.accumulate).backward()  # type: ignore[no-untyped-call]
+            total_loss += float(loss.detach()) / cfg.accumulate
+            correct += c.cpu()
+            counted += n.cpu()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        accuracy = (correct / counted.clamp(min=1)).tolist()
+        history.append({"step": step + 1, "loss": total_loss, "accuracy": accuracy})
+        bar.set_postfix(loss=f"{total_loss:.3f}", acc=" ".join(f"{a:.2f}" for a in accuracy[:4]))
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            checkpoints.save(step + 1, model, optimizer, {"history": history})
+    bar.close()
+    return export(model, config, cfg.out / "drafter", history)
+
+
+def export(model: DFlashModel, config: dict[str, Any], directory: Path, history: list[dict[str, Any]]) -> Path:
+    """Write the drafter in the z-lab format (``config.json`` + ``model.safetensors``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    save_file(ours_to_zlab(model.spec, state), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (directory / "training_log.json").write_text(json.dumps(history) + "\n")
+    return directory

