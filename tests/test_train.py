@@ -134,6 +134,18 @@ def test_training_learns_resumes_and_exports(target: Path, tmp_path: Path) -> No
     assert drafted.generate(prompt, max_new_tokens=32).token_ids == model.generate(prompt, max_new_tokens=32).token_ids
     assert json.loads((resumed / "config.json").read_text())["dflash_config"]["block_size"] == 4
 
+    # the learning curve of the run: every kept checkpoint drafts losslessly through the SDK
+    from dflash2.bench.curve import acceptance_curve, curve_table
+    from dflash2.bench.data import Prompt
+
+    prompts = [Prompt("a", "0", "abc abc abc"), Prompt("b", "1", "hello there")]
+    refs = {i: model.generate(p.prompt, max_new_tokens=16).token_ids for i, p in enumerate(prompts)}
+    points = acceptance_curve(model, config.out, prompts, 16, refs)
+    assert [(p.step, p.dataset) for p in points] == [(96, "a"), (96, "b"), (100, "a"), (100, "b")]
+    assert all(p.identical == p.prompts == 1 and p.mean_acceptance_length >= 1.0 for p in points)
+    assert points[0].supervised_tokens < points[2].supervised_tokens
+    assert "| 100 |" in curve_table(points)
+
 
 def test_training_forward_is_the_serving_forward(target: Path) -> None:
     """The training layout of a block (plain and pre-draft) gives the drafter's serving logits."""

@@ -104,6 +104,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
         lr=args.lr,
         predraft=args.predraft,
         checkpoint_every=args.checkpoint_every,
+        keep_every=args.keep_every,
         seed=args.seed,
         device=args.device,
     )
@@ -159,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=6e-4)
     train.add_argument("--predraft", type=float, default=0.25, help="share of blocks trained for pre-drafting")
     train.add_argument("--checkpoint-every", type=int, default=100)
+    train.add_argument("--keep-every", type=int, default=200, help="checkpoints kept for good (learning curves)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--device", default="auto")
     train.add_argument("--no-progress", action="store_true")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from dflash2.api import Model, load
+from dflash2.bench.curve import CurvePoint, acceptance_curve, curve_table, plot_curve, points_as_dicts
 from dflash2.bench.data import Prompt, load_dataset
 from dflash2.bench.harness import Row, machine_info, run_matrix
 from dflash2.bench.limits import memory_bandwidth_gbps, plain_decoding_limit, weight_bytes
@@ -32,6 +34,7 @@ from dflash2.bench.sweep import (
     prompt_length_table,
     write_sweep_json,
 )
+from dflash2.engine.policy import OverlapPolicy, Schedule
 from dflash2.runtime.loader import resolve_checkpoint
 from dflash2.tokenize import encode_prompt
 
@@ -50,7 +53,11 @@ def _hf_model(path: Any, dtype: torch.dtype) -> Any:
 
 
 def build_runners(
-    model: Model, configs: list[str], drafters: dict[str, Any], block_sizes: dict[str, int | None]
+    model: Model,
+    configs: list[str],
+    drafters: dict[str, Any],
+    block_sizes: dict[str, int | None],
+    schedule: Schedule = "auto",
 ) -> list[Runner]:
     """One runner per configuration; drafter-backed ones share the target's weights."""
     runners: list[Runner] = []
@@ -78,6 +85,7 @@ def build_runners(
                 raise SystemExit(f"{name} needs --{kind}-drafter")
             if kind not in with_drafter:
                 with_drafter[kind] = model.with_drafter(drafters[kind], block_sizes.get(kind))
+                with_drafter[kind].policy = OverlapPolicy(schedule=schedule)
             runners.append(DFlash2Runner(with_drafter[kind], name, pipeline=pipeline))
     return runners
 
@@ -93,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram-block-size", type=int, default=None)
     parser.add_argument("--ar-block-size", type=int, default=None)
     parser.add_argument("--dflash-block-size", type=int, default=None)
+    parser.add_argument(
+        "--schedule", default="auto", choices=["auto", "overlap", "serial"], help="async pipeline schedule"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads for every configuration")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--doc", type=Path, default=Path("docs/benchmarks.md"))
@@ -105,6 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sweep.add_argument("--prompt-lengths", default="128,256,512,1024,2048", help="prompt tokens per point")
     sweep.add_argument("--block-sizes", default="4,8,12,16", help="block sizes of the --sweep-config drafter")
+    parser.add_argument(
+        "--training-curve", type=Path, default=None, help="a train-drafter run dir: acceptance of each kept checkpoint"
+    )
 
 
 def _ints(text: str) -> list[int]:
@@ -124,8 +138,12 @@ def main(args: argparse.Namespace) -> list[Row]:
     block_sizes = {"ngram": args.ngram_block_size, "ar": args.ar_block_size, "dflash": args.dflash_block_size}
     if args.sweep:
         return [p.row for p in sweep_main(args, model, source, drafters, block_sizes)]
+    if args.training_curve is not None:
+        curve_main(args, model, source)
+        return []
     prompts: list[Prompt] = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
-    runners = build_runners(model, [c.strip() for c in args.configs.split(",")], drafters, block_sizes)
+    configs = [c.strip() for c in args.configs.split(",")]
+    runners = build_runners(model, configs, drafters, block_sizes, args.schedule)
     rows = run_matrix(
         runners,
         prompts,
@@ -143,6 +161,7 @@ def main(args: argparse.Namespace) -> list[Row]:
         "limit": args.limit,
         "max_new_tokens": args.max_new_tokens,
         "configs": args.configs,
+        "schedule": args.schedule,
         "memory_bandwidth_gbps": bandwidth,
         "weight_bytes": weights,
         "plain_decoding_limit_tokens_per_second": plain_decoding_limit(bandwidth, weights),
@@ -274,6 +293,38 @@ def sweep_main(
     return points
 
 
+def curve_main(args: argparse.Namespace, model: Model, source: Any) -> list[CurvePoint]:
+    """``--training-curve RUN``: tokens per target forward of each kept checkpoint of a training run."""
+    prompts = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
+    references = {
+        i: model.generate(p.prompt, max_new_tokens=args.max_new_tokens).token_ids for i, p in enumerate(prompts)
+    }
+    points = acceptance_curve(model, args.training_curve, prompts, args.max_new_tokens, references)
+    section = args.section or "training-curve"
+    machine = machine_info()
+    json_path = args.out / f"{section}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(
+        json.dumps({"machine": machine, "run": str(args.training_curve), "points": points_as_dicts(points)}, indent=2)
+    )
+    plot = plot_curve(points, args.doc.parent / "images" / f"{section}.png")
+    body = [
+        _measured(machine, source, f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens"),
+        "",
+        "Command: `dflash2 bench " + " ".join(_cli_args(args)) + "`. Greedy, sync pipeline; identical = the same "
+        "tokens as dflash2's plain decoding (itself identical to transformers in the matrix above).",
+        "",
+        curve_table(points),
+        "",
+        f"![acceptance vs training](images/{plot.name})",
+        "",
+        f"Raw results: `{json_path}`.",
+    ]
+    update_section(args.doc, section, "\n".join(body))
+    print(curve_table(points))
+    return points
+
+
 def _measured(machine: dict[str, Any], source: Any, amount: str) -> str:
     return (
         f"Measured {machine['date']} on {machine['cpu']} ({machine['threads']} threads), torch {machine['torch']}, "
@@ -294,6 +345,10 @@ def _cli_args(args: argparse.Namespace) -> list[str]:
     out = [f"--datasets {args.datasets}", f"--limit {args.limit}", f"--max-new-tokens {args.max_new_tokens}"]
     if args.sweep:
         out += [f"--sweep {args.sweep}", f"--sweep-config {args.sweep_config}"]
+    if args.training_curve:
+        out.append(f"--training-curve {args.training_curve}")
+    if args.schedule != "auto":
+        out.append(f"--schedule {args.schedule}")
         out += [f"--prompt-lengths {args.prompt_lengths}", f"--block-sizes {args.block_sizes}"]
     else:
         out.append(f"--configs {args.configs}")

@@ -49,6 +49,8 @@ class AsyncPipeline:
             return []
         started = time.perf_counter()
         draft, self._ready = self._ready, None
+        if draft is None and r.session is None:  # plain decoding: nothing to draft
+            draft = r.propose()
         if draft is None:  # nothing drafted ahead: the verifier waits for this one
             job = await self._workers.draft.run(r.propose)
             draft = job.value

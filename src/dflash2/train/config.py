@@ -42,12 +42,13 @@ class TrainConfig:
     gamma: float | None = None
     predraft: float = 0.25
     checkpoint_every: int = 100
+    keep_every: int = 200  # checkpoints kept for good (besides the last two), for learning curves
     seed: int = 0
     device: str = "auto"
 
     def __post_init__(self) -> None:
         positive = ("samples", "max_new_tokens", "max_prompt_tokens", "generation_batch", "num_layers", "steps")
-        for name in (*positive, "anchors", "accumulate", "checkpoint_every"):
+        for name in (*positive, "anchors", "accumulate", "checkpoint_every", "keep_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidOptionError(f"{name} must be a positive int, got {value!r}.")

@@ -99,8 +99,11 @@ def draft_logits(model: DFlashModel, target: Model, seq: TrainingSequence, block
 
 
 class _Checkpoints:
-    def __init__(self, directory: Path) -> None:
+    """The last two checkpoints, and every ``keep_every`` steps one for good (curves of the run)."""
+
+    def __init__(self, directory: Path, keep_every: int) -> None:
         self.directory = directory
+        self.keep_every = keep_every
 
     def latest(self) -> Path | None:
         found = sorted(self.directory.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
@@ -116,7 +119,9 @@ class _Checkpoints:
                 moments[f"{index}.{key}"] = torch.as_tensor(value).contiguous()
         save_file(moments, str(path / "optimizer.safetensors"))
         (path / "state.json").write_text(json.dumps({"step": step, **state}))
-        for old in sorted(self.directory.glob("step-*"))[:-2]:  # keep the last two
+        for old in sorted(self.directory.glob("step-*"))[:-2]:
+            if int(old.name.split("-")[1]) % self.keep_every == 0:
+                continue
             for f in old.iterdir():
                 f.unlink()
             old.rmdir()
@@ -179,7 +184,7 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
     model = new_drafter(spec, target, cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    checkpoints = _Checkpoints(cfg.out / "checkpoints")
+    checkpoints = _Checkpoints(cfg.out / "checkpoints", cfg.keep_every)
     start, history = 0, []
     latest = checkpoints.latest()
     if latest is not None:
@@ -213,7 +218,7 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         accuracy = (correct / counted.clamp(min=1)).tolist()
-        history.append({"step": step + 1, "loss": total_loss, "accuracy": accuracy})
+        history.append({"step": step + 1, "loss": total_loss, "accuracy": accuracy, "labels": counted.tolist()})
         bar.set_postfix(loss=f"{total_loss:.3f}", acc=" ".join(f"{a:.2f}" for a in accuracy[:4]))
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             checkpoints.save(step + 1, model, optimizer, {"history": history})

@@ -1,0 +1,99 @@
+"""Acceptance vs training: each kept checkpoint of a ``train-drafter`` run, measured on real prompts.
+
+Every point drafts with the checkpoint through the SDK (greedy, sync pipeline) and checks its
+output against plain decoding, so an acceptance figure never stands without exactness beside it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from dflash2.api import Model
+from dflash2.bench.data import Prompt
+from dflash2.drafters.dflash import DFlashSpec, load_dflash_drafter, ours_to_zlab
+
+
+@dataclass
+class CurvePoint:
+    step: int
+    supervised_tokens: int  # block positions with a label seen by the optimizer so far
+    mean_acceptance_length: float
+    identical: int
+    prompts: int
+    dataset: str
+
+
+def checkpoint_steps(run: Path) -> list[Path]:
+    return sorted((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+
+
+def acceptance_curve(
+    model: Model, run: Path, prompts: Sequence[Prompt], max_new_tokens: int, references: dict[int, tuple[int, ...]]
+) -> list[CurvePoint]:
+    """Mean acceptance length per dataset for every checkpoint under ``run/checkpoints``."""
+    config = json.loads((run / "drafter" / "config.json").read_text())
+    spec = DFlashSpec.from_config(config)
+    points = []
+    for path in checkpoint_steps(run):
+        state = json.loads((path / "state.json").read_text())
+        tokens = int(sum(sum(h["labels"]) for h in state["history"]))
+        tensors = ours_to_zlab(spec, load_file(str(path / "model.safetensors")))
+        drafted = model.with_drafter(load_dflash_drafter(config, tensors, model.target, name=path.name))
+        for dataset in dict.fromkeys(p.dataset for p in prompts):
+            lengths: list[int] = []
+            same = 0
+            mine = [(i, p) for i, p in enumerate(prompts) if p.dataset == dataset]
+            for i, p in mine:
+                completion = drafted.generate(p.prompt, max_new_tokens=max_new_tokens, pipeline="sync")
+                lengths += completion.stats.acceptance_lengths
+                same += completion.token_ids == references[i]
+            mean = sum(lengths) / len(lengths) if lengths else 0.0
+            points.append(CurvePoint(int(state["step"]), tokens, mean, same, len(mine), dataset))
+    return points
+
+
+def curve_table(points: Sequence[CurvePoint]) -> str:
+    lines = [
+        "| step | supervised tokens | dataset | tokens per target forward | identical |",
+        "|---:|---:|---|---:|---|",
+    ]
+    for p in points:
+        flag = "" if p.identical == p.prompts else " ⚠ NOT IDENTICAL"
+        lines.append(
+            f"| {p.step} | {p.supervised_tokens:,} | {p.dataset} | {p.mean_acceptance_length:.2f} "
+            f"| {p.identical}/{p.prompts}{flag} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_curve(points: Sequence[CurvePoint], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    for dataset in dict.fromkeys(p.dataset for p in points):
+        mine = [p for p in points if p.dataset == dataset]
+        ax.plot(
+            [p.supervised_tokens for p in mine], [p.mean_acceptance_length for p in mine], marker="o", label=dataset
+        )
+    ax.set_xlabel("supervised block tokens seen in training")
+    ax.set_ylabel("tokens per target forward")
+    ax.set_title("shipped drafter: acceptance vs training")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def points_as_dicts(points: Sequence[CurvePoint]) -> list[dict[str, object]]:
+    return [asdict(p) for p in points]
