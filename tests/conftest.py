@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import save_tiny
+from tiny import SPEC_PROMPTS, hf_greedy, save_tiny, save_tiny_dflash
 
 _CACHE = Path(tempfile.mkdtemp(prefix="dflash2-test-cache-"))
 
@@ -71,3 +71,28 @@ def hf_smollm2(smollm2_gguf: Path) -> Iterator[Any]:
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32)
     yield model.eval()
+
+
+@pytest.fixture(scope="session")
+def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny checkpoints for the speculative tests: a target, drafters, another family."""
+    root = tmp_path_factory.mktemp("spec")
+    return {
+        "target": save_tiny(root / "target", "llama", seed=0),
+        "random": save_tiny(root / "random", "llama", seed=11),
+        "qwen3": save_tiny(root / "qwen3", "qwen3", seed=1),
+        "dflash1": save_tiny_dflash(root / "dflash1", version=1),
+        "dflash2": save_tiny_dflash(root / "dflash2", version=2),
+    }
+
+
+@pytest.fixture(scope="session")
+def references(paths: dict[str, Path]) -> dict[str, list[int]]:
+    """transformers' own greedy output (48 tokens) of the target for each of ``SPEC_PROMPTS``."""
+    from transformers import AutoModelForCausalLM
+
+    import dflash2
+
+    hf = AutoModelForCausalLM.from_pretrained(paths["target"], dtype=torch.float32).eval()
+    tokenizer = dflash2.load(paths["target"]).tokenizer
+    return {p: hf_greedy(hf, tokenizer(p).input_ids, 48) for p in SPEC_PROMPTS}

@@ -11,35 +11,14 @@ from typing import Any
 
 import anyio
 import pytest
-import torch
-from tiny import hf_greedy, save_tiny, save_tiny_dflash
+from tiny import SPEC_PROMPTS
 
 import dflash2
 from dflash2.drafters import Draft, DraftContext, Outcome
 from dflash2.drafters.base import PreDraft
 from dflash2.engine import OverlapPolicy
 
-PROMPTS = ["abcabcabc hello abcabc", "The quick brown fox", "x = [1, 2, 3]; y = [1, 2, 3]"]
-
-
-@pytest.fixture(scope="module")
-def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("async")
-    return {
-        "target": save_tiny(root / "target", "llama", seed=0),
-        "random": save_tiny(root / "random", "llama", seed=11),
-        "dflash1": save_tiny_dflash(root / "dflash1", version=1),
-        "dflash2": save_tiny_dflash(root / "dflash2", version=2),
-    }
-
-
-@pytest.fixture(scope="module")
-def references(paths: dict[str, Path]) -> dict[str, list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(paths["target"], dtype=torch.float32).eval()
-    tokenizer = dflash2.load(paths["target"]).tokenizer
-    return {p: hf_greedy(hf, tokenizer(p).input_ids, 48) for p in PROMPTS}
+PROMPTS = SPEC_PROMPTS
 
 
 def forced(model: dflash2.Model, schedule: str = "overlap") -> dflash2.Model:

@@ -10,35 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import EOS, PAD, hf_greedy, save_tiny, save_tiny_dflash
+from tiny import EOS, PAD, SPEC_PROMPTS
 
 import dflash2
 from dflash2.drafters import Draft, DraftContext, NGramDrafter, Outcome
 from dflash2.drafters.dflash import grouped_dynamic_convolve
 
-PROMPTS = ["abcabcabc hello abcabc", "The quick brown fox", "x = [1, 2, 3]; y = [1, 2, 3]"]
+PROMPTS = SPEC_PROMPTS
 PIPELINES = ["sync", "async"]
-
-
-@pytest.fixture(scope="module")
-def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("spec")
-    return {
-        "target": save_tiny(root / "target", "llama", seed=0),
-        "random": save_tiny(root / "random", "llama", seed=11),
-        "qwen3": save_tiny(root / "qwen3", "qwen3", seed=1),
-        "dflash1": save_tiny_dflash(root / "dflash1", version=1),
-        "dflash2": save_tiny_dflash(root / "dflash2", version=2),
-    }
-
-
-@pytest.fixture(scope="module")
-def references(paths: dict[str, Path]) -> dict[str, list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(paths["target"], dtype=torch.float32).eval()
-    tokenizer = dflash2.load(paths["target"]).tokenizer
-    return {p: hf_greedy(hf, tokenizer(p).input_ids, 48) for p in PROMPTS}
 
 
 DRAFTERS = ["ngram", "self", "random", "dflash1", "dflash2"]

@@ -19,6 +19,10 @@ CHAT_TEMPLATE = (
 )
 
 
+# prompts of the speculative tests (byte tokenizer: every character is a token)
+SPEC_PROMPTS = ["abcabcabc hello abcabc", "The quick brown fox", "x = [1, 2, 3]; y = [1, 2, 3]"]
+
+
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level tokenizer without merges: every UTF-8 byte is a token, so characters split."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
