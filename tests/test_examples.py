@@ -22,3 +22,13 @@ def test_example_runs(script: Path, smollm2: dflash2.Model) -> None:
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip()
+
+
+@pytest.mark.smollm2
+def test_demo_command_prints_text_and_speedup(smollm2: dflash2.Model) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "dflash2.cli", "demo", "--max-new-tokens", "24"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "speedup" in result.stdout and "outputs identical" in result.stdout, result.stdout[-1000:]
+    assert "DIFFERENT" not in result.stdout

@@ -9,6 +9,7 @@ import pytest
 from tiny import hf_greedy, save_tiny_dflash
 
 import dflash2
+from dflash2.demo_model import shipped_drafter
 from dflash2.engine import OverlapPolicy
 
 pytestmark = pytest.mark.smollm2
@@ -63,20 +64,27 @@ def _random_dflash(path: Path) -> Path:
     )
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "autoregressive", "dflash"])
+@pytest.mark.parametrize("drafter", ["ngram", "autoregressive", "dflash", "shipped"])
 def test_speculative_greedy_identical_to_transformers(
     smollm2_gguf: Path, references: dict[int, list[int]], drafter: str, tmp_path: Path
 ) -> None:
-    arg: Any = {"ngram": "ngram", "autoregressive": smollm2_gguf}.get(drafter) or _random_dflash(tmp_path / "d")
+    if drafter == "shipped" and shipped_drafter() is None:
+        pytest.skip("no drafter shipped in drafters/ yet")
+    choices = {"ngram": "ngram", "autoregressive": smollm2_gguf, "shipped": shipped_drafter()}
+    arg: Any = choices.get(drafter) or _random_dflash(tmp_path / "d")
     model = dflash2.load(smollm2_gguf, drafter=arg, block_size={"autoregressive": 6, "dflash": 4}.get(drafter))
     model.policy = OverlapPolicy(schedule="overlap")  # the async runs pre-draft every step
     runs = [(0, "sync")] + [(i, "async") for i in range(len(SPEC_PROMPTS))]
+    lengths: list[int] = []
     for i, pipeline in runs:
         completion = model.generate(SPEC_PROMPTS[i], max_new_tokens=128, pipeline=pipeline)
         assert list(completion.token_ids) == references[i], (drafter, i, pipeline)
         if drafter == "autoregressive":  # the target as its own drafter: (nearly) everything accepted
             assert completion.stats.mean_acceptance_length > 5.0
             assert pipeline == "sync" or completion.stats.predraft_hits > 0
+        lengths += completion.stats.acceptance_lengths
+    if drafter == "shipped":  # trained: it gets drafts accepted (about 1.2 per forward when shipped)
+        assert sum(lengths) / len(lengths) > 1.05
 
 
 def test_chat_template_matches_transformers(smollm2: dflash2.Model) -> None:

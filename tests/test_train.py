@@ -145,6 +145,11 @@ def test_training_learns_resumes_and_exports(target: Path, tmp_path: Path) -> No
     assert all(p.identical == p.prompts == 1 and p.mean_acceptance_length >= 1.0 for p in points)
     assert points[0].supervised_tokens < points[2].supervised_tokens
     assert "| 100 |" in curve_table(points)
+    from dflash2.bench.curve import predraft_hit_rates, predraft_table
+
+    rates = predraft_hit_rates(model, {"trained": resumed}, prompts, 16, refs)
+    assert [(r.drafter, r.dataset, r.identical) for r in rates] == [("trained", "a", 1), ("trained", "b", 1)]
+    assert all(0 <= r.hit_rate <= 1 and r.steps > 0 for r in rates) and "trained" in predraft_table(rates)
 
 
 def test_training_forward_is_the_serving_forward(target: Path) -> None:

@@ -38,20 +38,25 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
     print(f"Loading SmolLM2-135M-Instruct from {smollm2_gguf().name} (converted once, then cached) ...")
     plain = load(smollm2_gguf(), device=args.device)
-    drafter: Any = shipped_drafter() or "ngram"
-    model = plain.with_drafter(drafter)
-    label = f"dflash2 + {model.drafter.name if model.drafter else drafter}"
+    shipped = shipped_drafter()
+    drafters: dict[str, Any] = {"dflash (shipped)": shipped} if shipped is not None else {}
+    drafters["ngram"] = "ngram"
+    models = {name: plain.with_drafter(d) for name, d in drafters.items()}
     messages = [{"role": "user", "content": args.question}]
     options = {"max_new_tokens": args.max_new_tokens}
-    plain.generate(messages, max_new_tokens=8)  # warm-up, not timed
+    for model in (plain, *models.values()):  # warm-up, not timed
+        model.generate(messages, max_new_tokens=8)
+    first, model = next(iter(models.items()))
     print(f"\n>>> {args.question}\n")
     completion = anyio.run(lambda: _print_stream(model, messages, **options))
-    print("\n" + _summary(label, completion))
     reference = plain.generate(messages, **options)
-    print(_summary("plain decoding", reference))
-    same = "identical" if reference.token_ids == completion.token_ids else "DIFFERENT (please report a bug)"
-    speedup = completion.stats.tokens_per_second / max(reference.stats.tokens_per_second, 1e-9)
-    print(f"speedup {speedup:.2f}x over plain decoding; outputs {same}")
+    results = {first: completion, **{n: m.generate(messages, **options) for n, m in models.items() if n != first}}
+    print("\n" + _summary("plain decoding", reference))
+    for name, result in results.items():
+        same = "identical" if result.token_ids == reference.token_ids else "DIFFERENT (please report a bug)"
+        speedup = result.stats.tokens_per_second / max(reference.stats.tokens_per_second, 1e-9)
+        print(_summary(f"dflash2 + {name}", result) + f"; speedup {speedup:.2f}x, outputs {same}")
+    print("Measured figures for every drafter: docs/benchmarks.md")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -97,12 +102,15 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
         generation_batch=args.generation_batch,
         block_size=args.block_size,
         num_layers=args.num_layers,
+        init=args.init,
         target_layer_ids=layer_ids,
         steps=args.steps,
         anchors=args.anchors,
         accumulate=args.accumulate,
         lr=args.lr,
+        warmup=args.warmup,
         predraft=args.predraft,
+        negatives=args.negatives,
         checkpoint_every=args.checkpoint_every,
         keep_every=args.keep_every,
         seed=args.seed,
@@ -153,11 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--generation-batch", type=int, default=16)
     train.add_argument("--block-size", type=int, default=8)
     train.add_argument("--num-layers", type=int, default=1)
+    train.add_argument("--init", default="random", choices=["random", "target"], help="drafter layer init")
     train.add_argument("--target-layer-ids", default=None, help="comma-separated (default: spread, 3 layers)")
     train.add_argument("--steps", type=int, default=1000)
     train.add_argument("--anchors", type=int, default=32, help="blocks per sequence")
     train.add_argument("--accumulate", type=int, default=4, help="sequences per optimizer step")
     train.add_argument("--lr", type=float, default=6e-4)
+    train.add_argument("--warmup", type=float, default=0.04, help="share of the steps")
+    train.add_argument(
+        "--negatives", type=int, default=2048, help="random LM-head rows besides the data's tokens (-1: full)"
+    )
     train.add_argument("--predraft", type=float, default=0.25, help="share of blocks trained for pre-drafting")
     train.add_argument("--checkpoint-every", type=int, default=100)
     train.add_argument("--keep-every", type=int, default=200, help="checkpoints kept for good (learning curves)")

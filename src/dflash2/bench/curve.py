@@ -97,3 +97,64 @@ def plot_curve(points: Sequence[CurvePoint], path: Path) -> Path:
 
 def points_as_dicts(points: Sequence[CurvePoint]) -> list[dict[str, object]]:
     return [asdict(p) for p in points]
+
+
+@dataclass
+class PreDraftPoint:
+    drafter: str
+    dataset: str
+    steps: int
+    predraft_hits: int
+    mean_acceptance_length: float
+    identical: int
+    prompts: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.predraft_hits / self.steps if self.steps else 0.0
+
+
+def predraft_hit_rates(
+    model: Model,
+    drafters: dict[str, Path],
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
+    references: dict[int, tuple[int, ...]],
+) -> list[PreDraftPoint]:
+    """Async pipeline, pre-drafting every step: the share of steps whose pre-draft verification confirmed."""
+    from dflash2.engine.policy import OverlapPolicy
+
+    points = []
+    for name, path in drafters.items():
+        drafted = model.with_drafter(path)
+        drafted.policy = OverlapPolicy(schedule="overlap")
+        for dataset in dict.fromkeys(p.dataset for p in prompts):
+            steps = hits = same = 0
+            lengths: list[int] = []
+            mine = [(i, p) for i, p in enumerate(prompts) if p.dataset == dataset]
+            for i, p in mine:
+                completion = drafted.generate(p.prompt, max_new_tokens=max_new_tokens, pipeline="async")
+                s = completion.stats
+                steps, hits, same = (
+                    steps + s.steps,
+                    hits + s.predraft_hits,
+                    same + (completion.token_ids == references[i]),
+                )
+                lengths += s.acceptance_lengths
+            mean = sum(lengths) / len(lengths) if lengths else 0.0
+            points.append(PreDraftPoint(name, dataset, steps, hits, mean, same, len(mine)))
+    return points
+
+
+def predraft_table(points: Sequence[PreDraftPoint]) -> str:
+    lines = [
+        "| drafter | dataset | tokens per target forward | pre-draft hit rate | identical |",
+        "|---|---|---:|---:|---|",
+    ]
+    for p in points:
+        flag = "" if p.identical == p.prompts else " ⚠ NOT IDENTICAL"
+        lines.append(
+            f"| {p.drafter} | {p.dataset} | {p.mean_acceptance_length:.2f} | {p.hit_rate:.1%} "
+            f"| {p.identical}/{p.prompts}{flag} |"
+        )
+    return "\n".join(lines)

@@ -5,13 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dflash2.api import Model, load
-from dflash2.bench.curve import CurvePoint, acceptance_curve, curve_table, plot_curve, points_as_dicts
+from dflash2.bench.curve import (
+    CurvePoint,
+    acceptance_curve,
+    curve_table,
+    plot_curve,
+    points_as_dicts,
+    predraft_hit_rates,
+    predraft_table,
+)
 from dflash2.bench.data import Prompt, load_dataset
 from dflash2.bench.harness import Row, machine_info, run_matrix
 from dflash2.bench.limits import memory_bandwidth_gbps, plain_decoding_limit, weight_bytes
@@ -117,6 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--prompt-lengths", default="128,256,512,1024,2048", help="prompt tokens per point")
     sweep.add_argument("--block-sizes", default="4,8,12,16", help="block sizes of the --sweep-config drafter")
     parser.add_argument(
+        "--predraft-ablation",
+        default=None,
+        help="NAME=DIR,NAME=DIR: DFlash drafters whose pre-draft hit rates to compare (async, pre-drafting)",
+    )
+    parser.add_argument(
         "--training-curve", type=Path, default=None, help="a train-drafter run dir: acceptance of each kept checkpoint"
     )
 
@@ -138,7 +152,7 @@ def main(args: argparse.Namespace) -> list[Row]:
     block_sizes = {"ngram": args.ngram_block_size, "ar": args.ar_block_size, "dflash": args.dflash_block_size}
     if args.sweep:
         return [p.row for p in sweep_main(args, model, source, drafters, block_sizes)]
-    if args.training_curve is not None:
+    if args.training_curve is not None or args.predraft_ablation is not None:
         curve_main(args, model, source)
         return []
     prompts: list[Prompt] = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
@@ -299,29 +313,35 @@ def curve_main(args: argparse.Namespace, model: Model, source: Any) -> list[Curv
     references = {
         i: model.generate(p.prompt, max_new_tokens=args.max_new_tokens).token_ids for i, p in enumerate(prompts)
     }
-    points = acceptance_curve(model, args.training_curve, prompts, args.max_new_tokens, references)
-    section = args.section or "training-curve"
     machine = machine_info()
-    json_path = args.out / f"{section}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(
-        json.dumps({"machine": machine, "run": str(args.training_curve), "points": points_as_dicts(points)}, indent=2)
-    )
-    plot = plot_curve(points, args.doc.parent / "images" / f"{section}.png")
     body = [
         _measured(machine, source, f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens"),
         "",
-        "Command: `dflash2 bench " + " ".join(_cli_args(args)) + "`. Greedy, sync pipeline; identical = the same "
-        "tokens as dflash2's plain decoding (itself identical to transformers in the matrix above).",
-        "",
-        curve_table(points),
-        "",
-        f"![acceptance vs training](images/{plot.name})",
-        "",
-        f"Raw results: `{json_path}`.",
+        "Command: `dflash2 bench " + " ".join(_cli_args(args)) + "`. Greedy; identical = the same tokens as "
+        "dflash2's plain decoding (itself identical to transformers in the matrix above).",
     ]
+    record: dict[str, Any] = {"machine": machine}
+    points: list[CurvePoint] = []
+    if args.training_curve is not None:
+        section = args.section or "training-curve"
+        points = acceptance_curve(model, args.training_curve, prompts, args.max_new_tokens, references)
+        record.update(run=str(args.training_curve), points=points_as_dicts(points))
+        plot = plot_curve(points, args.doc.parent / "images" / f"{section}.png")
+        body += ["", curve_table(points), "", f"![acceptance vs training](images/{plot.name})"]
+    else:
+        section = args.section or "predraft-ablation"
+        named = dict(item.split("=", 1) for item in args.predraft_ablation.split(","))
+        rates = predraft_hit_rates(
+            model, {k: Path(v) for k, v in named.items()}, prompts, args.max_new_tokens, references
+        )
+        record.update(drafters=named, points=[{**asdict(p), "hit_rate": p.hit_rate} for p in rates])
+        body += ["", predraft_table(rates)]
+    json_path = args.out / f"{section}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(record, indent=2))
+    body += ["", f"Raw results: `{json_path}`."]
     update_section(args.doc, section, "\n".join(body))
-    print(curve_table(points))
+    print("\n".join(line for line in body if line.startswith("|")))
     return points
 
 
@@ -345,13 +365,15 @@ def _cli_args(args: argparse.Namespace) -> list[str]:
     out = [f"--datasets {args.datasets}", f"--limit {args.limit}", f"--max-new-tokens {args.max_new_tokens}"]
     if args.sweep:
         out += [f"--sweep {args.sweep}", f"--sweep-config {args.sweep_config}"]
-    if args.training_curve:
-        out.append(f"--training-curve {args.training_curve}")
-    if args.schedule != "auto":
-        out.append(f"--schedule {args.schedule}")
         out += [f"--prompt-lengths {args.prompt_lengths}", f"--block-sizes {args.block_sizes}"]
+    elif args.training_curve:
+        out.append(f"--training-curve {args.training_curve}")
+    elif args.predraft_ablation:
+        out.append(f"--predraft-ablation {args.predraft_ablation}")
     else:
         out.append(f"--configs {args.configs}")
+    if args.schedule != "auto":
+        out.append(f"--schedule {args.schedule}")
     if args.model:
         out.insert(0, f"--model {args.model}")
     if args.threads:

@@ -13,16 +13,17 @@ import math
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from dflash2.api import Model, load
-from dflash2.drafters.dflash import DFlashModel, DFlashSpec, ours_to_zlab
+from dflash2.drafters.dflash import DFlashLayer, DFlashModel, DFlashSpec, ours_to_zlab
 from dflash2.errors import DrafterError
-from dflash2.runtime.model import rms_norm
+from dflash2.runtime.model import DecoderLayer, rms_norm
 from dflash2.train import corpus
 from dflash2.train.config import TrainConfig, spread_layers
 from dflash2.train.data import TrainingSequence, cache_features, generate_responses, load_sequences
@@ -68,7 +69,8 @@ def mask_token(target: Model, cfg: TrainConfig) -> int:
     return max(special) if special else target.target.spec.vocab_size - 1
 
 
-def new_drafter(spec: DFlashSpec, target: Model, seed: int) -> DFlashModel:
+def new_drafter(spec: DFlashSpec, target: Model, seed: int, init: str = "random") -> DFlashModel:
+    """A fresh drafter: random (std 0.02), or (``init="target"``) its layers copied from the target's last ones."""
     torch.manual_seed(seed)
     model = DFlashModel(spec, target.max_context + 128).to(target.device)
     for name, param in model.named_parameters():
@@ -78,11 +80,35 @@ def new_drafter(spec: DFlashSpec, target: Model, seed: int) -> DFlashModel:
             torch.nn.init.ones_(param)
         else:
             torch.nn.init.zeros_(param)
+    if init == "target":
+        _copy_target_layers(model, target)
     return model
 
 
-def draft_logits(model: DFlashModel, target: Model, seq: TrainingSequence, blocks: Blocks) -> torch.Tensor:
-    """Drafter logits [A, B - 1, vocab] of the masked positions of every block, in one forward."""
+@torch.no_grad()
+def _copy_target_layers(model: DFlashModel, target: Model) -> None:
+    """Start each drafter layer from one of the target's last layers (same shapes: the drafter is built so)."""
+    layers = target.target.layers
+    q_rows = model.spec.num_heads * model.spec.head_dim
+    for drafter_layer, target_layer in zip(model.layers, layers[len(layers) - len(model.layers) :], strict=True):
+        mine, theirs = cast(DFlashLayer, drafter_layer), cast(DecoderLayer, target_layer)
+        qkv = theirs.attn.qkv.weight
+        mine.attn.q_proj.weight.copy_(qkv[:q_rows])
+        mine.attn.kv_proj.weight.copy_(qkv[q_rows:])
+        mine.attn.o_proj.weight.copy_(theirs.attn.o.weight)
+        mine.mlp.gate_up.weight.copy_(theirs.mlp.gate_up.weight)
+        mine.mlp.down.weight.copy_(theirs.mlp.down.weight)
+        mine.input_layernorm.copy_(theirs.attn_norm)
+        mine.post_attention_layernorm.copy_(theirs.mlp_norm)
+
+
+def draft_logits(
+    model: DFlashModel, target: Model, seq: TrainingSequence, blocks: Blocks, vocab: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Drafter logits [A, B - 1, vocab] of the masked positions of every block, in one forward.
+
+    ``vocab`` (ids) restricts the LM head to those rows (a sampled softmax; see ``TrainConfig``).
+    """
     spec, device = model.spec, model.device
     a, width = blocks.ids.shape
     context = model.project_context(seq.features[None].to(device=device, dtype=model.dtype))
@@ -95,7 +121,15 @@ def draft_logits(model: DFlashModel, target: Model, seq: TrainingSequence, block
     for i, layer in enumerate(model.layers):
         x = layer(x, context, rope_q, rope_k, None, i, mask)
     hidden = rms_norm(x, model.norm, spec.rms_norm_eps).view(a, width, -1)[:, width - spec.block_size + 1 :]
-    return model.logits(hidden, target.target.lm_head)
+    if vocab is None:
+        return model.logits(hidden, target.target.lm_head)
+    return F.linear(hidden, target.target.lm_head.weight[vocab]) * spec.output_multiplier
+
+
+def sampled_vocab(data_ids: torch.Tensor, size: int, negatives: int, generator: torch.Generator) -> torch.Tensor:
+    """Every id of the data plus ``negatives`` random others (so that the rest are pushed down too)."""
+    others = torch.randint(0, size, (negatives,), generator=generator)
+    return torch.unique(torch.cat([data_ids, others]))
 
 
 class _Checkpoints:
@@ -181,7 +215,7 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
     sequences = prepare_data(target, cfg, spec.target_layer_ids, progress)
     if not sequences:
         raise DrafterError("no training sequences: every response was shorter than two tokens.")
-    model = new_drafter(spec, target, cfg.seed)
+    model = new_drafter(spec, target, cfg.seed, cfg.init)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     checkpoints = _Checkpoints(cfg.out / "checkpoints", cfg.keep_every)
@@ -191,6 +225,7 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
         saved = checkpoints.restore(latest, model, optimizer)
         start, history = int(saved["step"]), list(saved.get("history", []))
     weights = position_weights(cfg.block_size, cfg.loss_gamma).to(target.device)
+    data_ids = torch.unique(torch.cat([q.ids for q in sequences])) if cfg.negatives >= 0 else None
     rng = random.Random(cfg.seed * 1_000_003 + start)
     generator = torch.Generator().manual_seed(cfg.seed * 7_919 + start)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress, desc="train")
@@ -208,8 +243,16 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
             if anchors.numel() == 0:
                 continue
             blocks = layout(seq.ids, anchors, clean, cfg.block_size, spec.mask_token_id)
-            logits = draft_logits(model, target, seq, blocks)
-            loss, c, n = weighted_loss(logits, blocks.labels.to(target.device), weights)
+            labels = blocks.labels.to(target.device)
+            if data_ids is not None:  # labels as positions in the sampled vocabulary
+                vocab = sampled_vocab(data_ids, spec.vocab_size, cfg.negatives, generator).to(target.device)
+                index = torch.full((spec.vocab_size,), -100, dtype=torch.long, device=target.device)
+                index[vocab] = torch.arange(vocab.numel(), device=target.device)
+                labels = torch.where(labels >= 0, index[labels.clamp(min=0)], labels)
+                logits = draft_logits(model, target, seq, blocks, vocab)
+            else:
+                logits = draft_logits(model, target, seq, blocks)
+            loss, c, n = weighted_loss(logits, labels, weights)
             (loss / cfg.accumulate).backward()  # type: ignore[no-untyped-call]
             total_loss += float(loss.detach()) / cfg.accumulate
             correct += c.cpu()
