@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from dflash2.api import Model
 from dflash2.bench.data import Prompt
 from dflash2.drafters.dflash import DFlashSpec, load_dflash_drafter, ours_to_zlab
+from dflash2.stream import Stats
 
 
 @dataclass
@@ -26,6 +27,40 @@ class CurvePoint:
     identical: int
     prompts: int
     dataset: str
+
+
+@dataclass
+class _DatasetRun:
+    """Greedy generations of one dataset's prompts, each compared with its reference."""
+
+    stats: list[Stats]
+    identical: int
+
+    @property
+    def checked(self) -> tuple[int, int]:
+        return self.identical, len(self.stats)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        lengths = [n for s in self.stats for n in s.acceptance_lengths]
+        return sum(lengths) / len(lengths) if lengths else 0.0
+
+
+def _run_dataset(
+    model: Model,
+    prompts: Sequence[Prompt],
+    dataset: str,
+    max_new_tokens: int,
+    references: dict[int, tuple[int, ...]],
+    pipeline: str,
+) -> _DatasetRun:
+    run = _DatasetRun([], 0)
+    for i, p in enumerate(prompts):
+        if p.dataset == dataset:
+            completion = model.generate(p.prompt, max_new_tokens=max_new_tokens, pipeline=pipeline)
+            run.stats.append(completion.stats)
+            run.identical += completion.token_ids == references[i]
+    return run
 
 
 def checkpoint_steps(run: Path) -> list[Path]:
@@ -45,15 +80,9 @@ def acceptance_curve(
         tensors = ours_to_zlab(spec, load_file(str(path / "model.safetensors")))
         drafted = model.with_drafter(load_dflash_drafter(config, tensors, model.target, name=path.name))
         for dataset in dict.fromkeys(p.dataset for p in prompts):
-            lengths: list[int] = []
-            same = 0
-            mine = [(i, p) for i, p in enumerate(prompts) if p.dataset == dataset]
-            for i, p in mine:
-                completion = drafted.generate(p.prompt, max_new_tokens=max_new_tokens, pipeline="sync")
-                lengths += completion.stats.acceptance_lengths
-                same += completion.token_ids == references[i]
-            mean = sum(lengths) / len(lengths) if lengths else 0.0
-            points.append(CurvePoint(int(state["step"]), tokens, mean, same, len(mine), dataset))
+            result = _run_dataset(drafted, prompts, dataset, max_new_tokens, references, "sync")
+            step = int(state["step"])
+            points.append(CurvePoint(step, tokens, result.mean_acceptance_length, *result.checked, dataset))
     return points
 
 
@@ -129,20 +158,9 @@ def predraft_hit_rates(
         drafted = model.with_drafter(path)
         drafted.policy = OverlapPolicy(schedule="overlap")
         for dataset in dict.fromkeys(p.dataset for p in prompts):
-            steps = hits = same = 0
-            lengths: list[int] = []
-            mine = [(i, p) for i, p in enumerate(prompts) if p.dataset == dataset]
-            for i, p in mine:
-                completion = drafted.generate(p.prompt, max_new_tokens=max_new_tokens, pipeline="async")
-                s = completion.stats
-                steps, hits, same = (
-                    steps + s.steps,
-                    hits + s.predraft_hits,
-                    same + (completion.token_ids == references[i]),
-                )
-                lengths += s.acceptance_lengths
-            mean = sum(lengths) / len(lengths) if lengths else 0.0
-            points.append(PreDraftPoint(name, dataset, steps, hits, mean, same, len(mine)))
+            result = _run_dataset(drafted, prompts, dataset, max_new_tokens, references, "async")
+            steps, hits = sum(s.steps for s in result.stats), sum(s.predraft_hits for s in result.stats)
+            points.append(PreDraftPoint(name, dataset, steps, hits, result.mean_acceptance_length, *result.checked))
     return points
 
 
