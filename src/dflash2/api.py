@@ -67,8 +67,6 @@ class Model:
         if block_size is not None:
             block_size = SpeculativeConfig(block_size=block_size).block_size
         chosen = load_drafter(drafter, self.target, self.tokenizer, block_size)
-        if chosen is not None:
-            self.target.pack(verify_sizes(chosen.block_size))
         return Model(self.target, self.tokenizer, self.eos_token_ids, self.name, self.checkpoint, chosen, self.workers)
 
     def close(self) -> None:
@@ -123,15 +121,6 @@ class Model:
         return anyio.run(functools.partial(self.agenerate, prompt, **options))
 
 
-def verify_sizes(block_size: int) -> list[int]:
-    """Forward sizes worth pre-packing for a drafter: its full block and half of it.
-
-    Each packed size costs one more copy of the weights (CPU, fp32 only); blocks of other
-    sizes are padded up to the next packed one (see ``engine.sync.padded_size``).
-    """
-    return sorted({block_size, max(2, (block_size + 1) // 2)})
-
-
 def _inside_event_loop() -> bool:
     try:
         asyncio.get_running_loop()
@@ -171,7 +160,7 @@ def load(
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     checkpoint = resolve_checkpoint(target)
     decoder = load_decoder(checkpoint, resolved_dtype, resolved_device)
-    decoder.pack([1])
+    decoder.pack()
     tokenizer = load_tokenizer(checkpoint)
     eos = load_eos_ids(checkpoint, decoder.spec)
     name = Path(str(target)).name or str(target)

@@ -32,7 +32,7 @@ class AutoregressiveDrafter:
         self.block_size = block_size
         self.name = name
         self.target_vocab_size = target_vocab_size
-        model.pack([1])
+        model.pack()
 
     def start(self, context: DraftContext) -> AutoregressiveSession:
         return AutoregressiveSession(self, context)

@@ -460,7 +460,7 @@ class DFlashDrafter:
             raise DrafterError(f"block_size must be in [2, 64], got {self.block_size}.")
         self.capture_layers = model.spec.target_layer_ids
         self.name = name
-        pack_linears(model, [self.block_size])
+        pack_linears(model)
 
     def start(self, context: DraftContext) -> DFlashSession:
         return DFlashSession(self, context)

@@ -27,16 +27,6 @@ from dflash2.stream import EngineCounters
 from dflash2.verify import accept
 
 
-def padded_size(rows: int, packed: tuple[int, ...], room: int) -> int:
-    """Forward size for a ``rows``-token block: the next pre-packed size when that is cheaper.
-
-    On CPU a packed GEMM over a few extra rows beats the unpacked one (SmolLM2-135M: 5 tokens
-    81 ms unpacked, 8 tokens 55 ms packed), so blocks are padded up to at most twice their size.
-    """
-    fits = [p for p in packed if rows <= p <= min(2 * rows, room)]
-    return min(fits) if fits else rows
-
-
 @dataclass(frozen=True)
 class Verified:
     """Target output for a verified block: logits [k + 1, vocab], features [k + 1, F] or None."""
@@ -119,19 +109,14 @@ class Request:
         return Draft(draft.tokens.to(self.target.device), draft.probs)
 
     def verify(self, draft: Draft) -> Verified:
-        """One target forward over ``[last, draft...]`` (padded to a pre-packed size)."""
+        """One target forward over ``[last, draft...]``."""
         assert self.cache is not None
         start = time.perf_counter()
         block = torch.cat([torch.tensor([self.last], device=self.target.device), draft.tokens.to(self.target.device)])
-        used = block.shape[0]
-        room = min(self.cache.capacity, self.target.spec.max_position_embeddings) - self.cache.length
-        size = padded_size(used, self.target.packed_rows, room)
-        if size > used:  # filler rows after the block change nothing before them (causal)
-            block = torch.cat([block, block[-1:].expand(size - used)])
         out = self.target(block[None], self.cache, logits="all", capture=self.capture)
         assert out.logits is not None
         self.counters.verify_s += time.perf_counter() - start
-        return Verified(out.logits[0, :used], out.hidden[0, :used] if out.hidden is not None else None)
+        return Verified(out.logits[0], out.hidden[0] if out.hidden is not None else None)
 
     def settle(self, draft: Draft, verified: Verified) -> tuple[list[int], Outcome]:
         """Accept, roll the cache back to what stays, tell the drafter; return the new tokens."""

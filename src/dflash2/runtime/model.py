@@ -9,7 +9,7 @@ the hidden states of chosen layers for exactly those tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -199,14 +199,9 @@ class Decoder(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def pack(self, row_counts: Iterable[int]) -> None:
-        """Pre-pack every projection for these forward sizes (see :mod:`dflash2.runtime.linear`)."""
-        pack_linears(self, row_counts)
-
-    @property
-    def packed_rows(self) -> tuple[int, ...]:
-        """Forward sizes with pre-packed weights (fastest on CPU); empty when packing is unavailable."""
-        return self.lm_head.packed_rows
+    def pack(self) -> None:
+        """Pre-pack every projection for fast inference (see :mod:`dflash2.runtime.linear`)."""
+        pack_linears(self)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
