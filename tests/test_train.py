@@ -40,6 +40,9 @@ def test_block_layout_and_visibility() -> None:
     pre = layout(tokens, torch.tensor([5]), clean=3, block_size=4, mask_id=0)
     assert pre.ids.tolist() == [[103, 104, 105, 0, 0, 0]] and pre.starts.tolist() == [3]
     assert pre.labels.tolist() == [[106, 107, 108]]
+    argmax = torch.arange(200, 210)  # the target's choice after each position
+    greedy = layout(tokens, torch.tensor([3, 8]), clean=1, block_size=4, mask_id=0, next_tokens=argmax)
+    assert greedy.labels.tolist() == [[203, 204, 205], [208, -100, -100]]
     assert sample_anchors(4, 10, 100, 1, torch.Generator().manual_seed(0)).tolist() == list(range(4, 9))
     w = position_weights(8, 4.0)
     assert w[0] == 1.0 and torch.all(w[1:] < w[:-1])
@@ -79,6 +82,16 @@ def test_default_corpus_holds_no_evaluation_prompt() -> None:
     assert len(default_corpus(64)) == 64
 
 
+def test_default_corpus_is_large_distinct_and_seeded() -> None:
+    corpus = default_corpus(3000, seed=1)
+    keys = [json.dumps(p) for p in corpus]
+    assert len(set(keys)) == len(keys) == 3000
+    assert sum(isinstance(p, str) for p in corpus) == 1500  # half code, half chat
+    assert default_corpus(3000, seed=1) == corpus != default_corpus(3000, seed=2)
+    every = default_corpus(10**6)
+    assert len(every) == len(code_prompts()) + len(chat_prompts()) == len({json.dumps(p) for p in every})
+
+
 def test_prompts_file(tmp_path: Path) -> None:
     file = tmp_path / "p.jsonl"
     file.write_text('{"prompt": "def f(x):"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
@@ -114,6 +127,13 @@ def test_training_learns_resumes_and_exports(target: Path, tmp_path: Path) -> No
         device="cpu",
     )
     first = train_drafter(config, progress=False)
+    from dflash2.train.data import load_sequences
+
+    files = sorted((config.out / "data").glob("features-*/*.safetensors"))
+    assert files
+    for seq in load_sequences(files):
+        # greedy responses: the target's teacher-forced argmax is the response itself
+        assert seq.greedy[seq.prompt_len - 1 : -1].tolist() == seq.ids[seq.prompt_len :].tolist()
     log = json.loads((first / "training_log.json").read_text())
     assert [h["step"] for h in log] == list(range(1, 13))
     resumed = train_drafter(replace(config, steps=100), progress=False)  # continues from step 12
@@ -178,13 +198,13 @@ def test_training_forward_is_the_serving_forward(target: Path) -> None:
         proposal = session.propose(k)
         pre = session.predraft(k)
     assert pre is not None
-    seq = TrainingSequence(ids, 1, features)
+    seq = TrainingSequence(ids, 1, features, ids)
     with torch.no_grad():
         plain = draft_logits(net, model, seq, layout(ids, torch.tensor([anchor]), 1, 5, spec.mask_token_id))
         assert plain[0].argmax(-1).tolist() == proposal.tokens.tolist()
         # the pre-draft block [x, d_1 .. d_4, MASK x 4]: drafts as clean tokens, features before x
         hypothesis = torch.cat([ids[: anchor + 1], proposal.tokens, torch.zeros(8, dtype=torch.long)])
         blocks = layout(hypothesis, torch.tensor([anchor + k]), k + 1, 5, spec.mask_token_id)
-        ahead = draft_logits(net, model, TrainingSequence(hypothesis, 1, features), blocks)[0].argmax(-1)
+        ahead = draft_logits(net, model, TrainingSequence(hypothesis, 1, features, hypothesis), blocks)[0].argmax(-1)
     assert int(ahead[0]) == pre.next_token
     assert ahead[1:4].tolist() == pre.draft.tokens.tolist()

@@ -17,7 +17,7 @@ from dflash2.config import SpeculativeConfig, parse_generation_options
 from dflash2.drafters import Drafter, load_drafter
 from dflash2.engine import AsyncPipeline, OverlapPolicy, Request, SyncPipeline
 from dflash2.errors import ContextLengthError, InvalidOptionError, StreamStateError
-from dflash2.runtime.device import Workers, resolve_device, resolve_dtype
+from dflash2.runtime.device import Workers, release_thread_pool, resolve_device, resolve_dtype
 from dflash2.runtime.loader import load_decoder, load_eos_ids, load_tokenizer, resolve_checkpoint
 from dflash2.runtime.model import Decoder
 from dflash2.stream import BlockingTokenStream, Completion, TokenSource, TokenStream
@@ -43,7 +43,8 @@ class Model:
         self.name = name
         self.checkpoint = checkpoint  # the local directory the weights were read from
         self.drafter = drafter
-        self.workers = workers if workers is not None else Workers(target.device)
+        self.workers = workers if workers is not None else Workers.shared(target.device)
+        self._closed = False
         self.policy = OverlapPolicy()  # learns, per drafter, whether drafting ahead pays
 
     @property
@@ -66,12 +67,15 @@ class Model:
         """The same target (weights shared, not copied) with another drafter; see :func:`load`."""
         if block_size is not None:
             block_size = SpeculativeConfig(block_size=block_size).block_size
-        chosen = load_drafter(drafter, self.target, self.tokenizer, block_size)
+        try:
+            chosen = load_drafter(drafter, self.target, self.tokenizer, block_size)
+        finally:
+            release_thread_pool()
         return Model(self.target, self.tokenizer, self.eos_token_ids, self.name, self.checkpoint, chosen, self.workers)
 
     def close(self) -> None:
-        """Stop the compute threads now (they also stop once no model object uses them)."""
-        self.workers.close()
+        """Refuse new streams on this model object (the compute threads are shared and stop at exit)."""
+        self._closed = True
 
     def stream(self, prompt: Any, **options: Any) -> TokenStream:
         """Start generating; iterate the returned stream with ``async for``.
@@ -79,6 +83,8 @@ class Model:
         Options: ``max_new_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seed``,
         ``stop`` (strings), ``pipeline`` (``"async"`` or ``"sync"``).
         """
+        if self._closed:
+            raise StreamStateError("this model was closed; load it again to generate.")
         config, sampling = parse_generation_options(options)
         prompt_ids = encode_prompt(self.tokenizer, prompt)
         needed = len(prompt_ids) + config.max_new_tokens
@@ -159,9 +165,12 @@ def load(
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     checkpoint = resolve_checkpoint(target)
-    decoder = load_decoder(checkpoint, resolved_dtype, resolved_device)
-    decoder.pack()
-    tokenizer = load_tokenizer(checkpoint)
-    eos = load_eos_ids(checkpoint, decoder.spec)
-    name = Path(str(target)).name or str(target)
-    return Model(decoder, tokenizer, eos, name=name, checkpoint=checkpoint).with_drafter(drafter, block_size)
+    try:
+        decoder = load_decoder(checkpoint, resolved_dtype, resolved_device)
+        decoder.pack()
+        tokenizer = load_tokenizer(checkpoint)
+        eos = load_eos_ids(checkpoint, decoder.spec)
+        name = Path(str(target)).name or str(target)
+        return Model(decoder, tokenizer, eos, name=name, checkpoint=checkpoint).with_drafter(drafter, block_size)
+    finally:
+        release_thread_pool()  # generation computes on dflash2's own threads (see runtime.device)

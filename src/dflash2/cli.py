@@ -110,6 +110,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
         lr=args.lr,
         warmup=args.warmup,
         predraft=args.predraft,
+        labels=args.labels,
         negatives=args.negatives,
         checkpoint_every=args.checkpoint_every,
         keep_every=args.keep_every,
@@ -172,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--negatives", type=int, default=2048, help="random LM-head rows besides the data's tokens (-1: full)"
     )
     train.add_argument("--predraft", type=float, default=0.25, help="share of blocks trained for pre-drafting")
+    train.add_argument(
+        "--labels",
+        default="greedy",
+        choices=["greedy", "sampled"],
+        help="train on the target's argmax (greedy) or on the response tokens (sampled)",
+    )
     train.add_argument("--checkpoint-every", type=int, default=100)
     train.add_argument("--keep-every", type=int, default=200, help="checkpoints kept for good (learning curves)")
     train.add_argument("--seed", type=int, default=0)

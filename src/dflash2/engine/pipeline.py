@@ -4,7 +4,8 @@ Each step verifies the current block on the verify worker while the drafter, on 
 worker, pre-drafts the next block for the likely outcome (the whole block accepted, followed
 by the drafter's guess of the bonus). If verification agrees, the next block is ready and the
 verifier starts at once; if not, the pre-draft is dropped and the next block is drafted from
-the verified state. The two coroutines meet once per step inside a task group that lives only
+the verified state on the verify worker (the verifier waits for it anyway, so it gets all the
+cores; on a CPU the draft worker runs one thread, see ``runtime.device``). The two coroutines meet once per step inside a task group that lives only
 for that step, so cancelling the consumer stops both within one step and nothing outlives
 the stream. Output is identical to the sync loop (greedy) or identically distributed
 (sampling); only speed depends on the prediction.
@@ -20,7 +21,7 @@ import anyio
 from dflash2.drafters.base import Draft, PreDraft, PreDrafting
 from dflash2.engine.policy import OverlapPolicy
 from dflash2.engine.request import Request, Verified
-from dflash2.runtime.device import ThreadBudget, Timed, Workers
+from dflash2.runtime.device import Timed, Workers
 from dflash2.stream import EngineCounters
 
 if sys.version_info < (3, 11):
@@ -35,7 +36,6 @@ class AsyncPipeline:
         self.counters: EngineCounters = request.counters
         self._workers = workers
         self._policy = policy
-        self._budget = ThreadBudget(workers.device)
         self._ready: Draft | None = None  # a pre-draft that verification confirmed
         # a seeded sample must not depend on timing: such requests keep one schedule
         sampling = request.sampling
@@ -51,8 +51,8 @@ class AsyncPipeline:
         draft, self._ready = self._ready, None
         if draft is None and r.session is None:  # plain decoding: nothing to draft
             draft = r.propose()
-        if draft is None:  # nothing drafted ahead: the verifier waits for this one
-            job = await self._workers.draft.run(r.propose)
+        if draft is None:  # nothing drafted ahead: the verifier waits for this one (drafted on its cores)
+            job = await self._workers.verify.run(r.propose)
             draft = job.value
             self.counters.wait_s += job.end - job.start
         ahead = r.room - len(draft) - 1
@@ -73,18 +73,18 @@ class AsyncPipeline:
         jobs: dict[str, Timed] = {}
 
         async def verify() -> None:
-            jobs["verify"] = await self._workers.verify.run(lambda: r.verify(draft))
+            threads = self._workers.overlapped_verify_threads
+            jobs["verify"] = await self._workers.verify.run(lambda: r.verify(draft), threads=threads)
 
         async def predraft() -> None:
             jobs["predraft"] = await self._workers.draft.run(lambda: self._timed_predraft(session, ahead))
 
-        with self._budget.split():
-            try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(verify)
-                    tg.start_soon(predraft)
-            except BaseExceptionGroup as group:  # a failing phase: raise its own error
-                raise group.exceptions[0] from None
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(verify)
+                tg.start_soon(predraft)
+        except BaseExceptionGroup as group:  # a failing phase: raise its own error
+            raise group.exceptions[0] from None
         v, p = jobs["verify"], jobs["predraft"]
         self.counters.hidden_s += max(0.0, min(v.end, p.end) - max(v.start, p.start))
         self.counters.wait_s += max(0.0, p.end - v.end)

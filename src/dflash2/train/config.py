@@ -18,7 +18,9 @@ class TrainConfig:
     ``target_layer_ids`` (default: spread over the target). Objective: ``anchors`` random blocks per
     sequence, cross-entropy on block positions 1..B-1 weighted ``exp(-(k-1)/gamma)``; a share
     ``predraft`` of blocks is trained for pre-drafting (context features stop up to a block before
-    the anchor, the tokens in between given as clean embeddings). The softmax runs over the tokens
+    the anchor, the tokens in between given as clean embeddings). ``labels``: ``"greedy"`` trains
+    on the target's teacher-forced argmax (what greedy verification accepts), ``"sampled"`` on the
+    response tokens themselves (the published recipe). The softmax runs over the tokens
     of the data plus ``negatives`` random others per step (the LM head is most of a CPU step;
     SmolLM2's responses use 6.4k of its 49k tokens), or over the whole vocabulary with -1.
     """
@@ -44,6 +46,7 @@ class TrainConfig:
     warmup: float = 0.04
     gamma: float | None = None
     predraft: float = 0.25
+    labels: str = "greedy"  # or "sampled"
     negatives: int = 2048  # LM head rows per step: the data's tokens + this many random others; -1: all
     checkpoint_every: int = 100
     keep_every: int = 200  # checkpoints kept for good (besides the last two), for learning curves
@@ -64,6 +67,8 @@ class TrainConfig:
             raise InvalidOptionError(
                 f"negatives must be an int >= -1 (-1: all of the vocabulary), not {self.negatives!r}."
             )
+        if self.labels not in ("greedy", "sampled"):
+            raise InvalidOptionError(f"labels must be 'greedy' or 'sampled', got {self.labels!r}.")
         if self.init not in ("random", "target"):
             raise InvalidOptionError(f"init must be 'random' or 'target', got {self.init!r}.")
         if not 0.0 <= self.predraft <= 1.0:

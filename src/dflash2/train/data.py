@@ -1,9 +1,9 @@
 """Self-distilled sequences and their target features, cached on disk so training can resume.
 
 ``out/data/responses.jsonl`` holds one generated response per prompt (appended batch by batch);
-``out/data/features/NNNNN.safetensors`` holds each sequence's ids and the target features of
-``target_layer_ids`` (fp16, teacher-forced over prompt + response). Finished parts are skipped
-on the next run.
+``out/data/features/NNNNN.safetensors`` holds each sequence's ids, the target features of
+``target_layer_ids`` (fp16) and the target's argmax after every position (``greedy``), all
+teacher-forced over prompt + response. Finished parts are skipped on the next run.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -26,11 +27,13 @@ from dflash2.train.generate import generate_batch
 
 @dataclass(frozen=True)
 class TrainingSequence:
-    """One training sequence: ``ids`` [N], the response starts at ``prompt_len``; ``features`` [N, F]."""
+    """One training sequence: ``ids`` [N], the response starts at ``prompt_len``; ``features`` [N, F];
+    ``greedy`` [N] the target's argmax after each position (its greedy choice given ``ids[: i + 1]``)."""
 
     ids: torch.Tensor
     prompt_len: int
     features: torch.Tensor
+    greedy: torch.Tensor
 
 
 def generate_responses(
@@ -84,26 +87,32 @@ def cache_features(
     for index, (prompt, response) in enumerate(tqdm(pairs, disable=not progress, desc="features", unit="seq")):
         file = directory / f"{index:05d}.safetensors"
         files.append(file)
-        if file.is_file() or len(response) < 2:
+        if (file.is_file() and "greedy" in _keys(file)) or len(response) < 2:
             continue
         ids = torch.tensor([prompt + response], device=model.device)
         cache = model.target.new_cache(ids.shape[1])
-        out = model.target(ids, cache, logits="none", capture=tuple(layer_ids))
-        assert out.hidden is not None
+        out = model.target(ids, cache, logits="all", capture=tuple(layer_ids))
+        assert out.hidden is not None and out.logits is not None
         save_file(
             {
                 "ids": ids[0].cpu(),
                 "prompt_len": torch.tensor([len(prompt)]),
                 "features": out.hidden[0].to(torch.float16).cpu().contiguous(),
+                "greedy": out.logits[0].argmax(-1).cpu(),
             },
             str(file),
         )
     return [f for f in files if f.is_file()]
 
 
+def _keys(file: Path) -> set[str]:
+    with safe_open(str(file), framework="pt") as f:
+        return set(f.keys())
+
+
 def load_sequences(files: Sequence[Path]) -> list[TrainingSequence]:
     out = []
     for file in files:
         t = load_file(str(file))
-        out.append(TrainingSequence(t["ids"], int(t["prompt_len"][0]), t["features"]))
+        out.append(TrainingSequence(t["ids"], int(t["prompt_len"][0]), t["features"], t["greedy"]))
     return out

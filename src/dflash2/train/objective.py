@@ -41,16 +41,29 @@ class Blocks:
     labels: torch.Tensor  # [A, B - 1] target tokens of the masked positions, -100 past the end
 
 
-def layout(tokens: torch.Tensor, anchors: torch.Tensor, clean: int, block_size: int, mask_id: int) -> Blocks:
-    """Blocks for ``anchors`` in the sequence ``tokens`` [N]."""
+def layout(
+    tokens: torch.Tensor,
+    anchors: torch.Tensor,
+    clean: int,
+    block_size: int,
+    mask_id: int,
+    next_tokens: torch.Tensor | None = None,
+) -> Blocks:
+    """Blocks for ``anchors`` in the sequence ``tokens`` [N].
+
+    The label of position p is ``next_tokens[p - 1]``, the token to predict after position
+    p - 1: by default the sequence's own (``tokens[p]``); with the target's teacher-forced
+    argmax it is what greedy verification accepts.
+    """
     n = tokens.shape[0]
+    follows = torch.cat([tokens[1:], tokens[-1:]]) if next_tokens is None else next_tokens
     width = clean + block_size - 1
     starts = anchors - clean + 1
     positions = starts[:, None] + torch.arange(width)[None, :]
     ids = torch.full((anchors.shape[0], width), mask_id, dtype=torch.long)
     ids[:, :clean] = tokens[positions[:, :clean]]
     targets = positions[:, clean:]
-    labels = torch.where(targets < n, tokens[targets.clamp(max=n - 1)], torch.full_like(targets, -100))
+    labels = torch.where(targets < n, follows[(targets - 1).clamp(max=n - 2)], torch.full_like(targets, -100))
     return Blocks(ids, positions, starts, labels)
 
 

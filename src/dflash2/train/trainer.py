@@ -242,7 +242,8 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
             anchors = sample_anchors(seq.prompt_len, seq.ids.shape[0], cfg.anchors, clean, generator)
             if anchors.numel() == 0:
                 continue
-            blocks = layout(seq.ids, anchors, clean, cfg.block_size, spec.mask_token_id)
+            follows = seq.greedy if cfg.labels == "greedy" else None
+            blocks = layout(seq.ids, anchors, clean, cfg.block_size, spec.mask_token_id, follows)
             labels = blocks.labels.to(target.device)
             if data_ids is not None:  # labels as positions in the sampled vocabulary
                 vocab = sampled_vocab(data_ids, spec.vocab_size, cfg.negatives, generator).to(target.device)
