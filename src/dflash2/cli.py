@@ -99,6 +99,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
         samples=args.samples,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
+        greedy_share=args.greedy_share,
         generation_batch=args.generation_batch,
         block_size=args.block_size,
         num_layers=args.num_layers,
@@ -159,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--samples", type=int, default=512, help="prompts to self-distil")
     train.add_argument("--max-new-tokens", type=int, default=192, help="response length")
     train.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the responses")
+    train.add_argument("--greedy-share", type=float, default=0.5, help="share of responses decoded greedily")
     train.add_argument("--generation-batch", type=int, default=16)
     train.add_argument("--block-size", type=int, default=8)
     train.add_argument("--num-layers", type=int, default=1)

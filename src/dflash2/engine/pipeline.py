@@ -5,10 +5,11 @@ worker, pre-drafts the next block for the likely outcome (the whole block accept
 by the drafter's guess of the bonus). If verification agrees, the next block is ready and the
 verifier starts at once; if not, the pre-draft is dropped and the next block is drafted from
 the verified state on the verify worker (the verifier waits for it anyway, so it gets all the
-cores; on a CPU the draft worker runs one thread, see ``runtime.device``). The two coroutines meet once per step inside a task group that lives only
-for that step, so cancelling the consumer stops both within one step and nothing outlives
-the stream. Output is identical to the sync loop (greedy) or identically distributed
-(sampling); only speed depends on the prediction.
+cores; on a CPU the draft worker runs one thread, see ``runtime.device``). The two coroutines
+meet once per step inside a task group that lives only for that step, so cancelling the
+consumer stops both within one step and nothing outlives the stream. Output is identical to
+the sync loop (greedy) or identically distributed (sampling); only speed depends on the
+prediction.
 """
 
 from __future__ import annotations

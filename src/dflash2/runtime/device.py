@@ -258,5 +258,3 @@ class Workers:
     def close(self) -> None:
         self.verify.close()
         self.draft.close()
-
-

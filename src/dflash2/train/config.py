@@ -13,7 +13,8 @@ class TrainConfig:
     """Distil a DFlash block drafter from ``target`` (DFlash recipe, CPU-sized defaults).
 
     Data: ``samples`` prompts (the offline default corpus, ``prompts`` jsonl or ``text`` dir)
-    answered by the target itself (``temperature``, up to ``max_new_tokens``), cached with the
+    answered by the target itself (a share ``greedy_share`` of the generation batches greedily, the
+    rest at ``temperature``; up to ``max_new_tokens``), cached with the
     target's features under ``out/data``. Model: ``num_layers`` drafter layers reading
     ``target_layer_ids`` (default: spread over the target). Objective: ``anchors`` random blocks per
     sequence, cross-entropy on block positions 1..B-1 weighted ``exp(-(k-1)/gamma)``; a share
@@ -33,6 +34,7 @@ class TrainConfig:
     max_new_tokens: int = 192
     max_prompt_tokens: int = 256
     temperature: float = 0.7
+    greedy_share: float = 0.5
     generation_batch: int = 16
     block_size: int = 8
     num_layers: int = 1
@@ -73,6 +75,8 @@ class TrainConfig:
             raise InvalidOptionError(f"init must be 'random' or 'target', got {self.init!r}.")
         if not 0.0 <= self.predraft <= 1.0:
             raise InvalidOptionError(f"predraft is a share of blocks in [0, 1], got {self.predraft}.")
+        if not 0.0 <= self.greedy_share <= 1.0:
+            raise InvalidOptionError(f"greedy_share is a share of the prompts in [0, 1], got {self.greedy_share}.")
         if not 0.0 <= self.temperature <= 2.0:
             raise InvalidOptionError(f"temperature must be in [0, 2], got {self.temperature}.")
         if not self.lr > 0 or not 0.0 <= self.warmup < 1.0:

@@ -9,6 +9,7 @@ teacher-forced over prompt + response. Finished parts are skipped on the next ru
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,11 +44,15 @@ def generate_responses(
     max_new_tokens: int,
     max_prompt_tokens: int,
     temperature: float,
+    greedy_share: float,
     batch: int,
     seed: int,
     progress: bool = True,
 ) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids) per prompt; cached in ``path`` and resumed from it."""
+    """(prompt ids, response ids) per prompt; cached in ``path`` and resumed from it.
+
+    Greedy answers are the texts greedy decoding meets; sampled ones widen the contexts. Each
+    batch is greedy with probability ``greedy_share`` (seeded by its first prompt's index)."""
     encoded = [encode_prompt(model.tokenizer, p)[-max_prompt_tokens:] for p in prompts]
     done: dict[int, list[int]] = {}
     if path.is_file():
@@ -60,7 +65,8 @@ def generate_responses(
     with path.open("a") as sink:
         for start in range(0, len(todo), batch):
             chunk = todo[start : start + batch]
-            sampling = SamplingConfig(temperature=temperature, seed=seed + start)
+            greedy = random.Random(seed * 1_000_003 + chunk[0]).random() < greedy_share
+            sampling = SamplingConfig(temperature=0.0 if greedy else temperature, seed=seed + start)
             responses = generate_batch(
                 model.target, [encoded[i] for i in chunk], max_new_tokens, sampling, model.eos_token_ids
             )

@@ -198,6 +198,7 @@ def prepare_data(target: Model, cfg: TrainConfig, layer_ids: Sequence[int], prog
         cfg.max_new_tokens,
         cfg.max_prompt_tokens,
         cfg.temperature,
+        cfg.greedy_share,
         cfg.generation_batch,
         cfg.seed,
         progress,
