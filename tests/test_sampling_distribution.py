@@ -7,6 +7,8 @@ direct sampling does. Seeds are fixed, so the test is deterministic.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +34,17 @@ CONFIGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dist")
-    return {
+    paths = {
         "target": save_tiny(root / "target", "llama", seed=2, std=0.15, **SMALL_VOCAB),
         "draft": save_tiny(root / "draft", "llama", seed=9, std=0.15, **SMALL_VOCAB),
         "dflash": save_tiny_dflash(root / "dflash", version=1, vocab=VOCAB8, mask_token_id=7, block_size=3),
         "dflash2": save_tiny_dflash(root / "dflash2", version=2, vocab=VOCAB8, mask_token_id=7, block_size=3),
     }
+    for name in ("dflash", "dflash2"):  # the same drafters limited to drafting 5 of the 8 tokens
+        limited = paths[f"{name}-vocab"] = root / f"{name}-vocab"
+        shutil.copytree(paths[name], limited)
+        (limited / "draft_vocab.json").write_text(json.dumps({"token_ids": [0, 1, 2, 4, 6]}))
+    return paths
 
 
 def exact_marginals(path: Path, prompt_ids: list[int], config: SamplingConfig, last: int = 3) -> list[np.ndarray]:
@@ -80,8 +87,8 @@ def drafter_for(name: str, paths: dict[str, Path]) -> Any:
     )
 
 
-CASES = [(name, CONFIGS[0]) for name in ("plain", "ngram", "autoregressive", "dflash", "dflash2")] + [
-    (name, CONFIGS[1]) for name in ("ngram", "autoregressive", "dflash2")
+CASES = [(name, CONFIGS[0]) for name in ("plain", "ngram", "autoregressive", "dflash", "dflash2", "dflash-vocab")] + [
+    (name, CONFIGS[1]) for name in ("ngram", "autoregressive", "dflash2", "dflash2-vocab")
 ]
 
 
@@ -116,7 +123,7 @@ def test_speculative_sampling_matches_the_target(name: str, config: SamplingConf
     assert max(prompt_ids) < VOCAB8
     *counts, accepted = sample_marginals(model, config, 3, pipeline="sync")
     check_marginals(counts, exact_marginals(paths["target"], prompt_ids, config))
-    if name in ("autoregressive", "dflash", "dflash2"):
+    if name not in ("plain", "ngram"):
         assert accepted[0] > 0  # the rejection path and the acceptance path both ran
 
 

@@ -50,6 +50,16 @@ def test_block_layout_and_visibility() -> None:
     assert spread_layers(30, 5) == (1, 8, 14, 20, 27)
 
 
+def test_covering_vocab_keeps_the_most_frequent_tokens() -> None:
+    from dflash2.train.vocab import covering_vocab
+
+    labels = [torch.tensor([5, 5, 5, 5, 2, 2, 2, 9, 9, 1]), torch.tensor([[5, 2]])]  # counts 5:5, 2:4, 9:2, 1:1
+    assert covering_vocab(labels, 12, 0.4).tolist() == [5]
+    assert covering_vocab(labels, 12, 0.75).tolist() == [2, 5]
+    assert covering_vocab(labels, 12, 0.9).tolist() == [2, 5, 9]
+    assert covering_vocab(labels, 12, 1.0).tolist() == [1, 2, 5, 9]  # never a token that does not occur
+
+
 def test_batched_generation_equals_one_at_a_time(target: Path) -> None:
     model = dflash2.load(target)
     prompts = [model.tokenizer(p).input_ids for p in ["hi", "a much longer prompt here", "mid length"]]
@@ -146,6 +156,8 @@ def test_training_learns_resumes_and_exports(target: Path, tmp_path: Path) -> No
     # export -> load round trip: the same weights, and drafting through the SDK stays lossless
     model = dflash2.load(target)
     drafter = load_drafter(resumed, model.target, model.tokenizer, None)
+    vocab = json.loads((resumed / "draft_vocab.json").read_text())
+    assert vocab["coverage"] == 0.999 and drafter.vocab.tolist() == vocab["token_ids"]  # type: ignore[attr-defined]
     saved = load_file(str(config.out / "checkpoints" / "step-000100" / "model.safetensors"))
     for name, tensor in drafter.model.state_dict().items():  # type: ignore[attr-defined]
         assert torch.equal(tensor, saved[name]), name

@@ -112,6 +112,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
         warmup=args.warmup,
         predraft=args.predraft,
         labels=args.labels,
+        draft_vocab_coverage=args.draft_vocab_coverage,
         negatives=args.negatives,
         checkpoint_every=args.checkpoint_every,
         keep_every=args.keep_every,
@@ -180,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="greedy",
         choices=["greedy", "sampled"],
         help="train on the target's argmax (greedy) or on the response tokens (sampled)",
+    )
+    train.add_argument(
+        "--draft-vocab-coverage",
+        type=float,
+        default=0.999,
+        help="draft only the tokens making up this share of the training labels (1: the whole vocabulary)",
     )
     train.add_argument("--checkpoint-every", type=int, default=100)
     train.add_argument("--keep-every", type=int, default=200, help="checkpoints kept for good (learning curves)")

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash2.drafters.autoregressive import AutoregressiveDrafter
 from dflash2.drafters.base import Draft, DraftContext, Drafter, DraftSession, Outcome
-from dflash2.drafters.dflash import DFlashDrafter, DFlashSpec, load_dflash_drafter
+from dflash2.drafters.dflash import DFlashDrafter, DFlashSpec, load_dflash_drafter, read_draft_vocab
 from dflash2.drafters.ngram import NGramDrafter
 from dflash2.errors import DrafterError, TokenizerMismatchError
 from dflash2.runtime.loader import (
@@ -69,7 +69,9 @@ def load_drafter(
     raw = read_config(checkpoint)
     name = os.path.basename(str(drafter).rstrip("/")) or str(drafter)
     if DFlashSpec.is_dflash_config(raw):
-        return load_dflash_drafter(raw, load_safetensors(checkpoint), target, block_size=block_size, name=name)
+        tensors = load_safetensors(checkpoint)
+        vocab = read_draft_vocab(checkpoint)
+        return load_dflash_drafter(raw, tensors, target, block_size=block_size, name=name, vocab=vocab)
     draft_model = load_decoder(checkpoint, target.dtype, target.device)
     check_same_tokenizer(tokenizer, load_tokenizer(checkpoint))
     return AutoregressiveDrafter(

@@ -15,8 +15,10 @@ an output multiplier and logit soft-capping. Checkpoints use the z-lab format: `
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -268,9 +270,14 @@ class CandidateSelector(nn.Module):
         anchor: torch.Tensor,
         sampling: SamplingConfig,
         generator: torch.Generator | None,
+        vocab: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Tokens [B, T] and, when sampling, their dense distributions [B, T, vocab]."""
+        """Columns of ``logits`` [B, T] and, when sampling, their distributions [B, T, columns].
+
+        ``vocab`` maps the columns to token ids when the logits cover only part of the vocabulary.
+        """
         unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
+        candidate_ids = candidates if vocab is None else vocab[candidates]
         projected = self.hidden_projection(hidden)
         predecessor = anchor
         path, rows = [], []
@@ -278,7 +285,7 @@ class CandidateSelector(nn.Module):
             pair = torch.einsum(
                 "br,bkr->bk",
                 self.predecessor_codebook(predecessor) * projected[:, position],
-                self.successor_codebook(candidates[:, position]),
+                self.successor_codebook(candidate_ids[:, position]),
             )
             scores = unary[:, position] + pair
             if sampling.greedy:
@@ -288,8 +295,8 @@ class CandidateSelector(nn.Module):
                 index = sample(q, generator)
                 dense = torch.zeros_like(logits[:, position], dtype=q.dtype)
                 rows.append(dense.scatter_add(-1, candidates[:, position], q))
-            predecessor = candidates[:, position].gather(-1, index[:, None])[:, 0]
-            path.append(predecessor)
+            path.append(candidates[:, position].gather(-1, index[:, None])[:, 0])
+            predecessor = candidate_ids[:, position].gather(-1, index[:, None])[:, 0]
         return torch.stack(path, dim=1), torch.stack(rows, dim=1) if rows else None
 
 
@@ -359,7 +366,9 @@ class DFlashModel(nn.Module):
         return rms_norm(x, self.norm, self.spec.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        logits = lm_head(hidden) * self.spec.output_multiplier
+        logits = lm_head(hidden)
+        if self.spec.output_multiplier != 1.0:
+            logits = logits * self.spec.output_multiplier
         cap = self.spec.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 
@@ -449,9 +458,22 @@ def ours_to_zlab(spec: DFlashSpec, state: Mapping[str, torch.Tensor]) -> dict[st
 
 
 class DFlashDrafter:
-    """Drafts ``block_size - 1`` tokens per forward; shares the target's embedding and LM head."""
+    """Drafts ``block_size - 1`` tokens per forward; shares the target's embedding and LM head.
 
-    def __init__(self, model: DFlashModel, target: Decoder, block_size: int | None = None, name: str = "dflash"):
+    ``vocab`` (sorted token ids, e.g. the tokens that make up 99.9 % of the training data) limits
+    drafting to those tokens: the LM head then has that many rows instead of the whole
+    vocabulary, which is most of a draft's cost on a CPU. Tokens outside it are never drafted
+    (verification still emits them); drafting stays lossless.
+    """
+
+    def __init__(
+        self,
+        model: DFlashModel,
+        target: Decoder,
+        block_size: int | None = None,
+        name: str = "dflash",
+        vocab: torch.Tensor | None = None,
+    ):
         model.spec.check_target(target)
         self.model = model
         self.target = target
@@ -460,7 +482,16 @@ class DFlashDrafter:
             raise DrafterError(f"block_size must be in [2, 64], got {self.block_size}.")
         self.capture_layers = model.spec.target_layer_ids
         self.name = name
+        self.vocab: torch.Tensor | None = None
+        self.head: nn.Module = target.lm_head
+        if vocab is not None:
+            self.vocab = check_vocab(vocab, target.spec.vocab_size).to(target.device)
+            head = Linear(target.spec.hidden_size, int(self.vocab.numel()))
+            head.weight = nn.Parameter(target.lm_head.weight.detach()[self.vocab].clone(), requires_grad=False)
+            self.head = head
         pack_linears(model)
+        if isinstance(self.head, Linear) and self.head is not target.lm_head:
+            self.head.pack()
 
     def start(self, context: DraftContext) -> DFlashSession:
         return DFlashSession(self, context)
@@ -505,16 +536,23 @@ class DFlashSession:
         self, hidden: torch.Tensor, anchor: int, sampling: SamplingConfig
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tokens [T] (and their distributions [T, vocab] when sampling) for draft states [1, T, D]."""
-        model = self._model
-        logits = model.logits(hidden, self._d.target.lm_head)
+        model, vocab = self._model, self._d.vocab
+        logits = model.logits(hidden, self._d.head)
+        probs: torch.Tensor | None
         if model.candidate_selector is not None:
             anchors = torch.tensor([anchor], device=model.device)
-            tokens, probs = model.candidate_selector.select(hidden, logits, anchors, sampling, self._generator)
-            return tokens[0], probs[0] if probs is not None else None
-        if sampling.greedy:
-            return logits[0].argmax(-1), None
-        probs = probabilities(logits[0], sampling)
-        return sample(probs, self._generator), probs
+            picked, dense = model.candidate_selector.select(hidden, logits, anchors, sampling, self._generator, vocab)
+            tokens, probs = picked[0], dense[0] if dense is not None else None
+        elif sampling.greedy:
+            tokens, probs = logits[0].argmax(-1), None
+        else:
+            probs = probabilities(logits[0], sampling)
+            tokens = sample(probs, self._generator)
+        if vocab is None:
+            return tokens, probs
+        if probs is not None:  # back to the whole vocabulary: zero outside the drafting tokens
+            probs = probs.new_zeros(probs.shape[0], self._d.target.spec.vocab_size).index_copy_(1, vocab, probs)
+        return vocab[tokens], probs
 
     def propose(self, max_tokens: int) -> Draft:
         k = min(self._d.block_size - 1, max_tokens)
@@ -550,16 +588,42 @@ class DFlashSession:
         self._pending = []
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def check_vocab(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``vocab`` as sorted, distinct int64 ids of the target's vocabulary, or ``DrafterError``."""
+    ids = torch.as_tensor(vocab, dtype=torch.long).flatten().cpu()
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise DrafterError(f"the drafting vocabulary must be a non-empty set of token ids below {vocab_size}.")
+    if torch.unique(ids).numel() != ids.numel():
+        raise DrafterError("the drafting vocabulary lists a token id twice.")
+    return ids.sort().values
+
+
+def read_draft_vocab(checkpoint: Path) -> torch.Tensor | None:
+    """The drafting vocabulary stored beside a drafter (``draft_vocab.json``: ``{"token_ids": [...]}``)."""
+    path = checkpoint / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())["token_ids"]
+        return torch.tensor([int(i) for i in ids], dtype=torch.long)
+    except (ValueError, KeyError, TypeError) as err:
+        raise DrafterError(f'{path} is not a drafting vocabulary ({{"token_ids": [...]}}): {err}') from err
+
+
 def load_dflash_drafter(
     raw_config: Mapping[str, Any],
     tensors: Mapping[str, torch.Tensor],
     target: Decoder,
     block_size: int | None = None,
     name: str = "dflash",
+    vocab: torch.Tensor | None = None,
 ) -> DFlashDrafter:
     spec = DFlashSpec.from_config(raw_config)
     spec.check_target(target)
     # a (pre-)drafted block near the end of the context reaches up to 128 positions past it
     model = DFlashModel.from_zlab_state(spec, tensors, target.spec.max_position_embeddings + 128, target.dtype)
     model = model.to(target.device).eval().requires_grad_(False)
-    return DFlashDrafter(model, target, block_size=block_size, name=name)
+    return DFlashDrafter(model, target, block_size=block_size, name=name, vocab=vocab)

@@ -21,9 +21,11 @@ class TrainConfig:
     ``predraft`` of blocks is trained for pre-drafting (context features stop up to a block before
     the anchor, the tokens in between given as clean embeddings). ``labels``: ``"greedy"`` trains
     on the target's teacher-forced argmax (what greedy verification accepts), ``"sampled"`` on the
-    response tokens themselves (the published recipe). The softmax runs over the tokens
-    of the data plus ``negatives`` random others per step (the LM head is most of a CPU step;
-    SmolLM2's responses use 6.4k of its 49k tokens), or over the whole vocabulary with -1.
+    response tokens themselves (the published recipe). The exported drafter drafts only the tokens
+    that make up ``draft_vocab_coverage`` of the labels (a smaller LM head; 1.0 keeps them all).
+    The training softmax runs over the tokens of the data plus ``negatives`` random others per
+    step (the LM head is most of a CPU step; SmolLM2's responses use 6.4k of its 49k tokens), or
+    over the whole vocabulary with -1.
     """
 
     target: str
@@ -49,6 +51,7 @@ class TrainConfig:
     gamma: float | None = None
     predraft: float = 0.25
     labels: str = "greedy"  # or "sampled"
+    draft_vocab_coverage: float = 0.999  # drafting vocabulary: tokens covering this share of the labels; 1: all
     negatives: int = 2048  # LM head rows per step: the data's tokens + this many random others; -1: all
     checkpoint_every: int = 100
     keep_every: int = 200  # checkpoints kept for good (besides the last two), for learning curves
@@ -75,6 +78,8 @@ class TrainConfig:
             raise InvalidOptionError(f"init must be 'random' or 'target', got {self.init!r}.")
         if not 0.0 <= self.predraft <= 1.0:
             raise InvalidOptionError(f"predraft is a share of blocks in [0, 1], got {self.predraft}.")
+        if not 0.5 <= self.draft_vocab_coverage <= 1.0:
+            raise InvalidOptionError(f"draft_vocab_coverage must be in [0.5, 1], got {self.draft_vocab_coverage}.")
         if not 0.0 <= self.greedy_share <= 1.0:
             raise InvalidOptionError(f"greedy_share is a share of the prompts in [0, 1], got {self.greedy_share}.")
         if not 0.0 <= self.temperature <= 2.0:

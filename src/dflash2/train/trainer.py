@@ -21,13 +21,14 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from dflash2.api import Model, load
-from dflash2.drafters.dflash import DFlashLayer, DFlashModel, DFlashSpec, ours_to_zlab
+from dflash2.drafters.dflash import DRAFT_VOCAB_FILE, DFlashLayer, DFlashModel, DFlashSpec, ours_to_zlab
 from dflash2.errors import DrafterError
 from dflash2.runtime.model import DecoderLayer, rms_norm
 from dflash2.train import corpus
 from dflash2.train.config import TrainConfig, spread_layers
 from dflash2.train.data import TrainingSequence, cache_features, generate_responses, load_sequences
 from dflash2.train.objective import Blocks, layout, position_weights, sample_anchors, visibility, weighted_loss
+from dflash2.train.vocab import covering_vocab
 
 _TARGET_KEYS = (
     "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
@@ -268,14 +269,33 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             checkpoints.save(step + 1, model, optimizer, {"history": history})
     bar.close()
-    return export(model, config, cfg.out / "drafter", history)
+    drafting: torch.Tensor | None = None
+    if cfg.draft_vocab_coverage < 1.0:
+        greedy = cfg.labels == "greedy"
+        targets = (q.greedy[q.prompt_len - 1 : -1] if greedy else q.ids[q.prompt_len :] for q in sequences)
+        drafting = covering_vocab(targets, spec.vocab_size, cfg.draft_vocab_coverage)
+    return export(model, config, cfg.out / "drafter", history, drafting, cfg.draft_vocab_coverage)
 
 
-def export(model: DFlashModel, config: dict[str, Any], directory: Path, history: list[dict[str, Any]]) -> Path:
-    """Write the drafter in the z-lab format (``config.json`` + ``model.safetensors``)."""
+def export(
+    model: DFlashModel,
+    config: dict[str, Any],
+    directory: Path,
+    history: list[dict[str, Any]],
+    vocab: torch.Tensor | None = None,
+    coverage: float = 1.0,
+) -> Path:
+    """Write the drafter in the z-lab format (``config.json`` + ``model.safetensors``), and its
+    drafting vocabulary (``draft_vocab.json``, read by dflash2 only) when there is one."""
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     save_file(ours_to_zlab(model.spec, state), str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (directory / "training_log.json").write_text(json.dumps(history) + "\n")
+    vocab_file = directory / DRAFT_VOCAB_FILE
+    if vocab is not None:
+        record = {"coverage": coverage, "token_ids": [int(i) for i in vocab]}
+        vocab_file.write_text(json.dumps(record) + "\n")
+    elif vocab_file.is_file():
+        vocab_file.unlink()
     return directory
