@@ -26,9 +26,11 @@ def forced(model: dflash2.Model, schedule: str = "overlap") -> dflash2.Model:
     return model
 
 
-@pytest.mark.parametrize("name", ["self", "random", "dflash1", "dflash2", "ngram"])
+@pytest.mark.parametrize("name", ["self", "random", "dflash1", "dflash2", "ngram", "hybrid"])
 def test_predrafting_schedule_is_identical(name: str, paths: dict[str, Path], references: dict[str, list[int]]) -> None:
-    drafter = {"self": paths["target"], "random": paths["random"], "ngram": "ngram"}.get(name) or paths[name]
+    choices = {"self": paths["target"], "random": paths["random"], "ngram": "ngram"}
+    choices["hybrid"] = [dflash2.drafters.NGramDrafter(min_ngram=1, max_ngram=2), paths["dflash2"]]
+    drafter = choices.get(name) or paths[name]
     model = forced(dflash2.load(paths["target"], drafter=drafter))
     for prompt in PROMPTS:
         completion = model.generate(prompt, max_new_tokens=48, pipeline="async")

@@ -82,13 +82,15 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray, n: int) -> float:
 
 
 def drafter_for(name: str, paths: dict[str, Path]) -> Any:
+    if name == "hybrid":  # lookup drafts (no probabilities) and DFlash2 drafts (with them) in one stream
+        return [dflash2.drafters.NGramDrafter(block_size=3, min_ngram=1), paths["dflash2"]]
     return {"plain": None, "ngram": dflash2.drafters.NGramDrafter(block_size=3), "autoregressive": paths["draft"]}.get(
         name, paths.get(name)
     )
 
 
 CASES = [(name, CONFIGS[0]) for name in ("plain", "ngram", "autoregressive", "dflash", "dflash2", "dflash-vocab")] + [
-    (name, CONFIGS[1]) for name in ("ngram", "autoregressive", "dflash2", "dflash2-vocab")
+    (name, CONFIGS[1]) for name in ("ngram", "autoregressive", "dflash2", "dflash2-vocab", "hybrid")
 ]
 
 

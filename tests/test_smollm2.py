@@ -64,13 +64,14 @@ def _random_dflash(path: Path) -> Path:
     )
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "autoregressive", "dflash", "shipped"])
+@pytest.mark.parametrize("drafter", ["ngram", "autoregressive", "dflash", "shipped", "hybrid"])
 def test_speculative_greedy_identical_to_transformers(
     smollm2_gguf: Path, references: dict[int, list[int]], drafter: str, tmp_path: Path
 ) -> None:
-    if drafter == "shipped" and shipped_drafter() is None:
+    if drafter in ("shipped", "hybrid") and shipped_drafter() is None:
         pytest.skip("no drafter shipped in drafters/ yet")
     choices = {"ngram": "ngram", "autoregressive": smollm2_gguf, "shipped": shipped_drafter()}
+    choices["hybrid"] = ["ngram", shipped_drafter()]
     arg: Any = choices.get(drafter) or _random_dflash(tmp_path / "d")
     model = dflash2.load(smollm2_gguf, drafter=arg, block_size={"autoregressive": 6, "dflash": 4}.get(drafter))
     model.policy = OverlapPolicy(schedule="overlap")  # the async runs pre-draft every step

@@ -13,17 +13,19 @@ import torch
 from tiny import EOS, PAD, SPEC_PROMPTS
 
 import dflash2
-from dflash2.drafters import Draft, DraftContext, NGramDrafter, Outcome
+from dflash2.drafters import Draft, DraftContext, HybridDrafter, NGramDrafter, Outcome
 from dflash2.drafters.dflash import grouped_dynamic_convolve
 
 PROMPTS = SPEC_PROMPTS
 PIPELINES = ["sync", "async"]
 
 
-DRAFTERS = ["ngram", "self", "random", "dflash1", "dflash2"]
+DRAFTERS = ["ngram", "self", "random", "dflash1", "dflash2", "hybrid-random", "hybrid-dflash2"]
 
 
 def drafter_arg(name: str, paths: dict[str, Path]) -> Any:
+    if name.startswith("hybrid-"):  # a lookup that matches often, so that both drafters take turns
+        return [NGramDrafter(min_ngram=1, max_ngram=2), drafter_arg(name.removeprefix("hybrid-"), paths)]
     return {"ngram": "ngram", "self": paths["target"], "random": paths["random"]}.get(name) or paths[name]
 
 
@@ -184,6 +186,22 @@ def test_ngram_block_adapts_to_the_hit_rate() -> None:
     assert len(session.propose(20)) == 8
     session.observe(Outcome(accepted=0, next_token=1))
     assert len(session.propose(20)) <= 4  # halved after a miss
+
+
+def test_hybrid_drafts_from_the_lookup_when_the_text_repeats(paths: dict[str, Path]) -> None:
+    model = dflash2.load(paths["target"], drafter=["ngram", paths["dflash2"]])
+    drafter = model.drafter
+    assert isinstance(drafter, HybridDrafter) and drafter.capture_layers == (0, 1)
+    tokens = [5, 6, 7, 8, 9, 5, 6, 7]  # then 8: "6 7 8" repeats, so the lookup continues with 9, 5, 6
+    features = torch.zeros(len(tokens), 2 * 64)
+    context = DraftContext(tokens, 8, features, dflash2.config.SamplingConfig(), None, 64)
+    with torch.inference_mode():
+        session = drafter.start(context)
+        assert session.propose(3).tokens.tolist() == [9, 5, 6]
+        session.observe(Outcome(1, 42, (9,), features[:2]))  # 42 was never seen: the model drafts
+        assert len(session.propose(3)) == 3 and session.can_predraft()
+    with pytest.raises(dflash2.DrafterError, match="lookup first"):
+        dflash2.load(paths["target"], drafter=["ngram", "ngram"])
 
 
 def test_ngram_options_are_validated() -> None:

@@ -2,7 +2,8 @@
 
 ``load_drafter`` turns the ``drafter=`` argument of :func:`dflash2.load` into a ``Drafter``:
 ``"ngram"``, a DFlash / DFlash2 checkpoint (detected by its ``dflash_config``), a small causal LM
-with the target's tokenizer, or a ready ``Drafter`` object.
+with the target's tokenizer, ``["ngram", <one of those models>]`` (prompt lookup first, the model
+otherwise), or a ready ``Drafter`` object.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from dflash2.drafters.autoregressive import AutoregressiveDrafter
 from dflash2.drafters.base import Draft, DraftContext, Drafter, DraftSession, Outcome
 from dflash2.drafters.dflash import DFlashDrafter, DFlashSpec, load_dflash_drafter, read_draft_vocab
+from dflash2.drafters.hybrid import HybridDrafter
 from dflash2.drafters.ngram import NGramDrafter
 from dflash2.errors import DrafterError, TokenizerMismatchError
 from dflash2.runtime.loader import (
@@ -33,6 +35,7 @@ __all__ = [
     "DraftContext",
     "DraftSession",
     "Drafter",
+    "HybridDrafter",
     "NGramDrafter",
     "Outcome",
     "check_same_tokenizer",
@@ -59,6 +62,8 @@ def load_drafter(
         return None
     if isinstance(drafter, str) and drafter == "ngram":
         return NGramDrafter() if block_size is None else NGramDrafter(block_size=block_size)
+    if isinstance(drafter, (list, tuple)):
+        return _hybrid(drafter, target, tokenizer, block_size)
     if not isinstance(drafter, (str, os.PathLike)):
         if isinstance(drafter, Drafter):
             return drafter
@@ -80,3 +85,18 @@ def load_drafter(
         block_size=block_size or AutoregressiveDrafter.default_block_size,
         name=name,
     )
+
+
+def _hybrid(
+    spec: list[Any] | tuple[Any, ...], target: Decoder, tokenizer: PreTrainedTokenizerBase, block_size: int | None
+) -> HybridDrafter:
+    """``["ngram" or an NGramDrafter, <model drafter>]`` -> a ``HybridDrafter``."""
+    usage = (
+        "a drafter list is ['ngram', <a DFlash or autoregressive drafter>]: prompt lookup first, the model otherwise."
+    )
+    if len(spec) != 2 or not (spec[0] == "ngram" or isinstance(spec[0], NGramDrafter)):
+        raise DrafterError(usage)
+    model = load_drafter(spec[1], target, tokenizer, block_size)
+    if model is None or isinstance(model, (NGramDrafter, HybridDrafter)):
+        raise DrafterError(usage)
+    return HybridDrafter(model) if spec[0] == "ngram" else HybridDrafter(model, spec[0])

@@ -111,6 +111,9 @@ class AutoregressiveSession:
         self._proposal = tokens
         return self._as_draft(tokens, rows)
 
+    def can_predraft(self) -> bool:
+        return bool(self._proposal)
+
     def predraft(self, max_tokens: int) -> PreDraft | None:
         """Assume the whole proposal is accepted: guess the bonus, then draft after it."""
         k = min(self._d.block_size - 1, max_tokens)
@@ -136,7 +139,7 @@ class AutoregressiveSession:
             self._seq += [*self._proposal, pre.next_token]
             self._proposal = [int(t) for t in pre.draft.tokens]
             return
-        self._seq += [*self._proposal[: outcome.accepted], outcome.next_token]
+        self._seq += [*outcome.tokens, outcome.next_token]
         self._proposal = []
 
     def close(self) -> None:

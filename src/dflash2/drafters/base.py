@@ -36,14 +36,20 @@ class Draft:
 class Outcome:
     """What verification decided for the last draft.
 
-    ``accepted`` draft tokens were kept and ``next_token`` follows them; it is the new last
-    verified token, not yet processed by the target. ``hidden`` holds the target features
-    (the drafter's ``capture_layers``) of the verified inputs ``[x, d_1 .. d_accepted]``.
+    ``accepted`` draft tokens were kept (``tokens``, the verified text's new tokens; whoever
+    drafted them) and ``next_token`` follows them; it is the new last verified token, not yet
+    processed by the target. ``hidden`` holds the target features (the drafter's
+    ``capture_layers``) of the verified inputs ``[x, d_1 .. d_accepted]``.
     """
 
     accepted: int
     next_token: int
+    tokens: tuple[int, ...] = ()
     hidden: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != self.accepted:
+            raise ValueError(f"an outcome of {self.accepted} accepted drafts lists {len(self.tokens)} tokens")
 
 
 @dataclass(frozen=True)
@@ -107,5 +113,9 @@ class PreDrafting(Protocol):
     """Sessions that can draft ahead. ``predraft`` runs after ``propose`` and while its block is
     verified; the following ``observe`` keeps the pre-draft as the current proposal when it
     :meth:`PreDraft.matches` the outcome and drops it otherwise."""
+
+    def can_predraft(self) -> bool:
+        """Whether ``predraft`` would draft now (there is a proposal to draft after)."""
+        ...
 
     def predraft(self, max_tokens: int) -> PreDraft | None: ...

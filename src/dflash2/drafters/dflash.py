@@ -563,6 +563,9 @@ class DFlashSession:
         self._proposal = [int(t) for t in tokens[:k]]
         return Draft(tokens[:k].cpu(), probs[:k] if probs is not None else None)
 
+    def can_predraft(self) -> bool:
+        return bool(self._proposal)
+
     def predraft(self, max_tokens: int) -> PreDraft | None:
         k = min(self._d.block_size - 2, max_tokens)
         if not self._proposal or k <= 0:

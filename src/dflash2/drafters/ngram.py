@@ -90,7 +90,7 @@ class NGramSession:
         return Draft(torch.tensor(proposed, dtype=torch.long))
 
     def observe(self, outcome: Outcome) -> None:
-        for token in self._proposed[: outcome.accepted]:
+        for token in outcome.tokens:
             self._append(token)
         self._append(outcome.next_token)
         if self._d.adaptive and self._proposed:

@@ -57,7 +57,8 @@ class AsyncPipeline:
             draft = job.value
             self.counters.wait_s += job.end - job.start
         ahead = r.room - len(draft) - 1
-        can_overlap = len(draft) > 0 and ahead > 0 and isinstance(r.session, PreDrafting)
+        session = r.session
+        can_overlap = len(draft) > 0 and ahead > 0 and isinstance(session, PreDrafting) and session.can_predraft()
         overlap = can_overlap and (self._fixed or self._policy.overlap_next())
         if overlap:
             emitted = await self._verify_while_predrafting(draft, ahead)

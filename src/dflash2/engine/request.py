@@ -129,7 +129,7 @@ class Request:
         self.verified += accepted + 1
         self.cache.rollback(self.verified)
         kept = verified.hidden[: accepted + 1] if verified.hidden is not None else None
-        outcome = Outcome(accepted, token, kept)
+        outcome = Outcome(accepted, token, tuple(emitted[:-1]), kept)
         if self.session is not None:
             self.session.observe(outcome)
         self.last = token
