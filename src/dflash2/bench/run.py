@@ -44,11 +44,12 @@ from dflash2.bench.sweep import (
     write_sweep_json,
 )
 from dflash2.engine.policy import OverlapPolicy, Schedule
+from dflash2.runtime.device import release_thread_pool
 from dflash2.runtime.loader import resolve_checkpoint
 from dflash2.tokenize import encode_prompt
 
 PEERS = ("transformers", "transformers-prompt-lookup", "transformers-assisted")
-DRAFTED = ("ngram", "ar", "dflash")
+DRAFTED = ("ngram", "ar", "dflash", "hybrid")  # hybrid: prompt lookup first, the DFlash drafter otherwise
 PIPELINE_NAMES = ("sync", "async")
 CONFIGS = (*PEERS, "dflash2", *(f"dflash2-{d}-{p}" for d in DRAFTED for p in PIPELINE_NAMES))
 DEFAULT_CONFIGS = ("transformers", "transformers-prompt-lookup", "dflash2", "dflash2-ngram-sync", "dflash2-ngram-async")
@@ -58,6 +59,7 @@ def _hf_model(path: Any, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    release_thread_pool()  # every configuration computes on dflash2's verify thread
     return model.eval()
 
 
@@ -77,21 +79,22 @@ def build_runners(
             raise SystemExit(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
         if name.startswith("transformers"):
             hf = hf if hf is not None else _hf_model(model.checkpoint, model.dtype)
+            worker = model.workers.verify
             if name == "transformers":
-                runners.append(TransformersRunner(hf))
+                runners.append(TransformersRunner(hf, worker))
             elif name == "transformers-prompt-lookup":
-                runners.append(TransformersRunner(hf, name, prompt_lookup_num_tokens=10))
+                runners.append(TransformersRunner(hf, worker, name, prompt_lookup_num_tokens=10))
             else:
                 if drafters.get("ar") is None:
                     raise SystemExit("transformers-assisted needs --ar-drafter (a small LM with the same tokenizer)")
                 assistant = _hf_model(resolve_checkpoint(drafters["ar"]), model.dtype)
-                runners.append(TransformersRunner(hf, name, assistant_model=assistant))
+                runners.append(TransformersRunner(hf, worker, name, assistant_model=assistant))
         elif name == "dflash2":
             runners.append(DFlash2Runner(model, name))
         else:
             _, kind, pipeline = name.split("-")
             if drafters.get(kind) is None:
-                raise SystemExit(f"{name} needs --{kind}-drafter")
+                raise SystemExit(f"{name} needs --{'dflash' if kind == 'hybrid' else kind}-drafter")
             if kind not in with_drafter:
                 with_drafter[kind] = model.with_drafter(drafters[kind], block_sizes.get(kind))
                 with_drafter[kind].policy = OverlapPolicy(schedule=schedule)
@@ -149,7 +152,9 @@ def main(args: argparse.Namespace) -> list[Row]:
         source = smollm2_gguf()
     model = load(source, device="cpu")
     drafters = {"ngram": "ngram", "ar": args.ar_drafter, "dflash": args.dflash_drafter}
+    drafters["hybrid"] = ["ngram", args.dflash_drafter] if args.dflash_drafter else None
     block_sizes = {"ngram": args.ngram_block_size, "ar": args.ar_block_size, "dflash": args.dflash_block_size}
+    block_sizes["hybrid"] = args.dflash_block_size
     if args.sweep:
         return [p.row for p in sweep_main(args, model, source, drafters, block_sizes)]
     if args.training_curve is not None or args.predraft_ablation is not None:

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from dflash2.api import Model
+from dflash2.runtime.device import Worker
 
 
 @dataclass
@@ -32,29 +33,36 @@ class Runner(Protocol):
 
 
 class TransformersRunner:
-    """``transformers.generate``, greedy; optional prompt lookup or an assistant model."""
+    """``transformers.generate``, greedy; optional prompt lookup or an assistant model.
+
+    It runs on ``worker``, the thread dflash2 computes on, so that both see the same threads.
+    """
 
     group = "peer"
 
-    def __init__(self, model: Any, name: str = "transformers", **generate_kwargs: Any) -> None:
+    def __init__(self, model: Any, worker: Worker, name: str = "transformers", **generate_kwargs: Any) -> None:
         self.model = model
+        self.worker = worker
         self.name = name
         self.kwargs = generate_kwargs
 
+    def _generate(self, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        pad = self.model.config.pad_token_id
+        out: torch.Tensor = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad if pad is not None else 0,
+            **self.kwargs,
+        )
+        return out
+
     def run(self, prompt: Any, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
         ids = torch.tensor([prompt_ids])
-        pad = self.model.config.pad_token_id
-        with torch.inference_mode():
-            start = time.perf_counter()
-            out = self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=pad if pad is not None else 0,
-                **self.kwargs,
-            )
-            seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        out = self.worker.call(lambda: self._generate(ids, max_new_tokens))
+        seconds = time.perf_counter() - start
         return RunResult([int(t) for t in out[0, len(prompt_ids) :]], seconds)
 
 
