@@ -39,7 +39,10 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(f"Loading SmolLM2-135M-Instruct from {smollm2_gguf().name} (converted once, then cached) ...")
     plain = load(smollm2_gguf(), device=args.device)
     shipped = shipped_drafter()
-    drafters: dict[str, Any] = {"dflash (shipped)": shipped} if shipped is not None else {}
+    drafters: dict[str, Any] = {}
+    if shipped is not None:
+        drafters["ngram + dflash (shipped)"] = ["ngram", shipped]
+        drafters["dflash (shipped)"] = shipped
     drafters["ngram"] = "ngram"
     models = {name: plain.with_drafter(d) for name, d in drafters.items()}
     messages = [{"role": "user", "content": args.question}]
