@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -182,6 +183,20 @@ def test_training_learns_resumes_and_exports(target: Path, tmp_path: Path) -> No
     rates = predraft_hit_rates(model, {"trained": resumed}, prompts, 16, refs)
     assert [(r.drafter, r.dataset, r.identical) for r in rates] == [("trained", "a", 1), ("trained", "b", 1)]
     assert all(0 <= r.hit_rate <= 1 and r.steps > 0 for r in rates) and "trained" in predraft_table(rates)
+
+
+@pytest.mark.parametrize("negatives", [4, -1])
+def test_training_over_the_whole_vocabulary(target: Path, tmp_path: Path, negatives: int) -> None:
+    """Coverage 1: every token draftable, the softmax sampled (data tokens + negatives) or full."""
+    config = TrainConfig(
+        target=str(target), out=tmp_path / "run", samples=2, max_new_tokens=16, generation_batch=2, block_size=4,
+        target_layer_ids=(0, 1), steps=3, anchors=8, accumulate=1, draft_vocab_coverage=1.0, negatives=negatives,
+        device="cpu",
+    )  # fmt: skip
+    drafter = train_drafter(config, progress=False)
+    log = json.loads((drafter / "training_log.json").read_text())
+    assert len(log) == 3 and all(math.isfinite(h["loss"]) for h in log)
+    assert not (drafter / "draft_vocab.json").exists()
 
 
 def test_training_forward_is_the_serving_forward(target: Path) -> None:

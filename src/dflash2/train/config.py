@@ -22,10 +22,10 @@ class TrainConfig:
     the anchor, the tokens in between given as clean embeddings). ``labels``: ``"greedy"`` trains
     on the target's teacher-forced argmax (what greedy verification accepts), ``"sampled"`` on the
     response tokens themselves (the published recipe). The exported drafter drafts only the tokens
-    that make up ``draft_vocab_coverage`` of the labels (a smaller LM head; 1.0 keeps them all).
-    The training softmax runs over the tokens of the data plus ``negatives`` random others per
-    step (the LM head is most of a CPU step; SmolLM2's responses use 6.4k of its 49k tokens), or
-    over the whole vocabulary with -1.
+    that make up ``draft_vocab_coverage`` of the labels (a smaller LM head), and the training
+    softmax runs over exactly those tokens. With coverage 1.0 (every token draftable) it runs over
+    the tokens of the data plus ``negatives`` random others per step (the LM head is most of a CPU
+    step), or over the whole vocabulary with -1.
     """
 
     target: str

@@ -227,7 +227,14 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
         saved = checkpoints.restore(latest, model, optimizer)
         start, history = int(saved["step"]), list(saved.get("history", []))
     weights = position_weights(cfg.block_size, cfg.loss_gamma).to(target.device)
-    data_ids = torch.unique(torch.cat([q.ids for q in sequences])) if cfg.negatives >= 0 else None
+    drafting = drafting_vocab(cfg, sequences, spec.vocab_size)
+    fixed_index = None
+    if drafting is not None:  # the softmax runs over exactly the tokens the drafter will draft
+        fixed_index = torch.full((spec.vocab_size,), -100, dtype=torch.long)
+        fixed_index[drafting] = torch.arange(drafting.numel())
+        fixed_index, drafting = fixed_index.to(target.device), drafting.to(target.device)
+    sampled = drafting is None and cfg.negatives >= 0
+    data_ids = torch.unique(torch.cat([q.ids for q in sequences])) if sampled else None
     rng = random.Random(cfg.seed * 1_000_003 + start)
     generator = torch.Generator().manual_seed(cfg.seed * 7_919 + start)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress, desc="train")
@@ -247,7 +254,10 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
             follows = seq.greedy if cfg.labels == "greedy" else None
             blocks = layout(seq.ids, anchors, clean, cfg.block_size, spec.mask_token_id, follows)
             labels = blocks.labels.to(target.device)
-            if data_ids is not None:  # labels as positions in the sampled vocabulary
+            if drafting is not None and fixed_index is not None:  # labels outside it are not learnt
+                labels = torch.where(labels >= 0, fixed_index[labels.clamp(min=0)], labels)
+                logits = draft_logits(model, target, seq, blocks, drafting)
+            elif data_ids is not None:  # labels as positions in the sampled vocabulary
                 vocab = sampled_vocab(data_ids, spec.vocab_size, cfg.negatives, generator).to(target.device)
                 index = torch.full((spec.vocab_size,), -100, dtype=torch.long, device=target.device)
                 index[vocab] = torch.arange(vocab.numel(), device=target.device)
@@ -269,12 +279,17 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             checkpoints.save(step + 1, model, optimizer, {"history": history})
     bar.close()
-    drafting: torch.Tensor | None = None
-    if cfg.draft_vocab_coverage < 1.0:
-        greedy = cfg.labels == "greedy"
-        targets = (q.greedy[q.prompt_len - 1 : -1] if greedy else q.ids[q.prompt_len :] for q in sequences)
-        drafting = covering_vocab(targets, spec.vocab_size, cfg.draft_vocab_coverage)
+    drafting = drafting_vocab(cfg, sequences, spec.vocab_size)
     return export(model, config, cfg.out / "drafter", history, drafting, cfg.draft_vocab_coverage)
+
+
+def drafting_vocab(cfg: TrainConfig, sequences: Sequence[TrainingSequence], vocab_size: int) -> torch.Tensor | None:
+    """The tokens making up ``cfg.draft_vocab_coverage`` of the labels (``None`` at coverage 1)."""
+    if cfg.draft_vocab_coverage >= 1.0:
+        return None
+    greedy = cfg.labels == "greedy"
+    labels = (q.greedy[q.prompt_len - 1 : -1] if greedy else q.ids[q.prompt_len :] for q in sequences)
+    return covering_vocab(labels, vocab_size, cfg.draft_vocab_coverage)
 
 
 def export(
@@ -294,7 +309,7 @@ def export(
     (directory / "training_log.json").write_text(json.dumps(history) + "\n")
     vocab_file = directory / DRAFT_VOCAB_FILE
     if vocab is not None:
-        record = {"coverage": coverage, "token_ids": [int(i) for i in vocab]}
+        record = {"coverage": coverage, "token_ids": [int(i) for i in vocab.cpu()]}
         vocab_file.write_text(json.dumps(record) + "\n")
     elif vocab_file.is_file():
         vocab_file.unlink()
