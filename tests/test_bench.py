@@ -174,3 +174,18 @@ def test_sweep(tiny_llama: Path, tmp_path: Path) -> None:
     for name in ("sweep-prompt-length.png", "sweep-block-size.png"):
         assert f"images/{name}" in section
         _assert_png(tmp_path / "images" / name)
+
+
+@pytest.mark.timeout(600)
+def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
+    """The prepared GPU script (tiny shape on a CPU): every exactness run identical, every row timed."""
+    from dflash2.bench.gpu import main as gpu_main
+
+    report = gpu_main(["--out", str(tmp_path), "--max-new-tokens", "16"])
+    assert json.loads((tmp_path / "gpu-check.json").read_text())["shape"] == "tiny"
+    assert set(report["exactness_fp32"].values()) == {"3/3"}
+    configs = [row["config"] for row in report["timing"]]
+    assert configs[0] == "plain" and "dflash-async-overlap" in configs and "self-async-overlap" in configs
+    assert all(row["tokens_per_second"] > 0 for row in report["timing"])
+    self_draft = next(row for row in report["timing"] if row["config"] == "self-sync")
+    assert self_draft["mean_acceptance_length"] > 4.0  # the target drafting for itself

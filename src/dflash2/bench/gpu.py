@@ -1,0 +1,169 @@
+"""The GPU check: sync vs async on a random-weight model of realistic shape, in one short run.
+
+Nothing is downloaded: the models are random (``bench.synthetic``), so only timing and
+exactness mean anything. Acceptance is fixed by the drafter: the target drafting for itself
+accepts every token (the case with the most drafting to hide), a random DFlash drafter almost
+none (its drafting cost is what overlap can hide), the n-gram drafter whatever the random text
+repeats. Run it where CUDA is, writing JSON to a directory::
+
+    PYTHONPATH=src python -m dflash2.bench.gpu --out "$OUT"
+
+On a CPU it runs the tiny shape (what the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash2.api import Model, load
+from dflash2.bench.harness import machine_info
+from dflash2.bench.synthetic import PAD, save_random, save_random_dflash
+from dflash2.engine.policy import OverlapPolicy, Schedule
+
+# (hidden, intermediate, layers, heads, kv heads, vocab): TinyLlama-1.1B's shape, and a tiny one
+SHAPES = {"1b": (2048, 5632, 22, 32, 4, 32000), "tiny": (64, 128, 2, 4, 2, 260)}
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Speculative decoding drafts several tokens and verifies them in one forward pass. ",
+]
+
+
+@dataclass
+class TimingRow:
+    config: str
+    tokens_per_second: float
+    mean_acceptance_length: float
+    overlap: float
+    bubble: float
+    predraft_hits: int
+    steps: int
+    draft_s: float
+    verify_s: float
+
+
+def _target(directory: Path, shape: str, device: str, dtype: torch.dtype) -> Path:
+    hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
+    return save_random(
+        directory, "llama", seed=0, std=0.02 if shape != "tiny" else 0.3, device=device, dtype=dtype,
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=4096,
+    )  # fmt: skip
+
+
+def _dflash(directory: Path, shape: str) -> Path:
+    hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
+    ids = (1, layers // 2, layers - 3) if layers > 3 else (0, 1)
+    dims = (hidden, inter, heads, kv, hidden // heads, 1)
+    return save_random_dflash(
+        directory, target_layers=layers, target_layer_ids=ids, block_size=8, std=0.02, vocab=vocab,
+        mask_token_id=PAD, shape=dims,
+    )  # fmt: skip
+
+
+def exactness(work: Path, device: str) -> dict[str, str]:
+    """fp32 greedy on this device: dflash2 (plain and drafted, sync and async) against transformers."""
+    path = save_random(work / "exact", "llama", seed=3, std=0.3, max_position_embeddings=512)
+    reference: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reference = reference.to(device).eval()
+    model = load(path, device=device, dtype="float32")
+    prompts = [model.tokenizer(p).input_ids for p in PROMPTS]
+    expected = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids], device=device)
+            out = reference.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False)
+            expected.append([int(t) for t in out[0, len(ids) :]])
+    results = {}
+    for name, drafter in {"plain": None, "ngram": "ngram", "self": path}.items():
+        drafted = model.with_drafter(drafter)
+        drafted.policy = OverlapPolicy(schedule="overlap")
+        for pipeline in ("sync", "async"):
+            same = sum(
+                list(drafted.generate(p, max_new_tokens=64, pipeline=pipeline).token_ids) == e
+                for p, e in zip(PROMPTS, expected, strict=True)
+            )
+            results[f"{name}-{pipeline}"] = f"{same}/{len(PROMPTS)}"
+    return results
+
+
+def _time(model: Model, config: str, max_new_tokens: int, **options: Any) -> TimingRow:
+    model.generate(PROMPTS[0], max_new_tokens=16, **options)  # warm-up
+    tokens, seconds, stats = 0, 0.0, []
+    for prompt in PROMPTS:
+        start = time.perf_counter()
+        completion = model.generate(prompt, max_new_tokens=max_new_tokens, **options)
+        seconds += time.perf_counter() - start
+        tokens += len(completion.token_ids)
+        stats.append(completion.stats)
+    lengths = [n for s in stats for n in s.acceptance_lengths]
+    return TimingRow(
+        config=config,
+        tokens_per_second=tokens / seconds,
+        mean_acceptance_length=sum(lengths) / max(1, len(lengths)),
+        overlap=sum(s.overlap for s in stats) / len(stats),
+        bubble=sum(s.bubble for s in stats) / len(stats),
+        predraft_hits=sum(s.predraft_hits for s in stats),
+        steps=sum(s.steps for s in stats),
+        draft_s=sum(s.draft_s for s in stats),
+        verify_s=sum(s.verify_s for s in stats),
+    )
+
+
+def timing(work: Path, shape: str, device: str, dtype: torch.dtype, max_new_tokens: int) -> list[TimingRow]:
+    target = _target(work / "target", shape, device, dtype)
+    model = load(target, device=device, dtype=dtype)
+    drafters: dict[str, Any] = {"ngram": "ngram", "self": target, "dflash": _dflash(work / "dflash", shape)}
+    rows = [_time(model, "plain", max_new_tokens)]
+    for name, drafter in drafters.items():
+        drafted = model.with_drafter(drafter)
+        rows.append(_time(drafted, f"{name}-sync", max_new_tokens, pipeline="sync"))
+        schedules: tuple[Schedule, ...] = ("auto", "overlap") if name != "ngram" else ("auto",)
+        for schedule in schedules:
+            drafted.policy = OverlapPolicy(schedule=schedule)
+            rows.append(_time(drafted, f"{name}-async-{schedule}", max_new_tokens, pipeline="async"))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description="sync vs async on a random-weight model; exactness in fp32")
+    parser.add_argument("--out", type=Path, required=True, help="directory for gpu-check.json")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: 1b on CUDA, tiny on CPU")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    shape = args.shape or ("1b" if cuda else "tiny")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        exact = exactness(work, device)
+        rows = timing(work, shape, device, dtype, args.max_new_tokens)
+    report: dict[str, Any] = {
+        "machine": machine_info(),
+        "shape": shape,
+        "dtype": str(dtype),
+        "exactness_fp32": exact,
+        "timing": [asdict(r) for r in rows],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
+    for r in rows:
+        print(
+            f"{r.config:>18}: {r.tokens_per_second:7.1f} tok/s  tau {r.mean_acceptance_length:.2f}  "
+            f"overlap {r.overlap:.0%}  bubble {r.bubble:.0%}  pre-draft hits {r.predraft_hits}"
+        )
+    print("exactness (fp32):", exact)
+    return report
+
+
+if __name__ == "__main__":
+    main()
