@@ -60,6 +60,9 @@ class SlowSession:
         time.sleep(self.delay)
         return self.inner.propose(max_tokens)
 
+    def can_predraft(self) -> bool:
+        return bool(self.inner.can_predraft())
+
     def predraft(self, max_tokens: int) -> PreDraft | None:
         time.sleep(self.delay)
         return self.inner.predraft(max_tokens)
