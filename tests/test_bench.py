@@ -122,6 +122,11 @@ def test_matrix_plots(matrix: dict[str, Any]) -> None:
         _assert_png(doc.parent / "images" / name)
 
 
+def test_matrix_without_its_reference_is_refused_before_loading() -> None:
+    with pytest.raises(SystemExit, match="add 'transformers' to --configs"):
+        main(_args("--model", "/nonexistent", "--configs", "dflash2,dflash2-ngram-sync"))
+
+
 def test_prompts_of_length(tiny_llama: Path) -> None:
     from dflash2.runtime.loader import load_tokenizer
 

@@ -48,7 +48,8 @@ from dflash2.runtime.device import release_thread_pool
 from dflash2.runtime.loader import resolve_checkpoint
 from dflash2.tokenize import encode_prompt
 
-PEERS = ("transformers", "transformers-prompt-lookup", "transformers-assisted")
+# transformers-1thread: plain greedy on one thread (on this 2-core CPU faster than on two for transformers)
+PEERS = ("transformers", "transformers-1thread", "transformers-prompt-lookup", "transformers-assisted")
 DRAFTED = ("ngram", "ar", "dflash", "hybrid")  # hybrid: prompt lookup first, the DFlash drafter otherwise
 PIPELINE_NAMES = ("sync", "async")
 CONFIGS = (*PEERS, "dflash2", *(f"dflash2-{d}-{p}" for d in DRAFTED for p in PIPELINE_NAMES))
@@ -82,6 +83,8 @@ def build_runners(
             worker = model.workers.verify
             if name == "transformers":
                 runners.append(TransformersRunner(hf, worker))
+            elif name == "transformers-1thread":
+                runners.append(TransformersRunner(hf, model.workers.draft, name))
             elif name == "transformers-prompt-lookup":
                 runners.append(TransformersRunner(hf, worker, name, prompt_lookup_num_tokens=10))
             else:
@@ -143,6 +146,9 @@ def _ints(text: str) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> list[Row]:
+    configs = [c.strip() for c in args.configs.split(",")]
+    if not (args.sweep or args.training_curve or args.predraft_ablation) and "transformers" not in configs:
+        raise SystemExit("every row is checked against transformers plain greedy: add 'transformers' to --configs")
     if args.threads:
         torch.set_num_threads(args.threads)
     source: Any = args.model
@@ -161,7 +167,6 @@ def main(args: argparse.Namespace) -> list[Row]:
         curve_main(args, model, source)
         return []
     prompts: list[Prompt] = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
-    configs = [c.strip() for c in args.configs.split(",")]
     runners = build_runners(model, configs, drafters, block_sizes, args.schedule)
     rows = run_matrix(
         runners,
