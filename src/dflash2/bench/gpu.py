@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash2.api import Model, load
-from dflash2.bench.harness import machine_info
+from dflash2.bench.harness import Row, aggregate, machine_info, rows_as_dicts
+from dflash2.bench.runners import DFlash2Runner, RunResult
 from dflash2.bench.synthetic import PAD, save_random, save_random_dflash
 from dflash2.engine.policy import OverlapPolicy, Schedule
 
@@ -36,19 +35,6 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
     "Speculative decoding drafts several tokens and verifies them in one forward pass. ",
 ]
-
-
-@dataclass
-class TimingRow:
-    config: str
-    tokens_per_second: float
-    mean_acceptance_length: float
-    overlap: float
-    bubble: float
-    predraft_hits: int
-    steps: int
-    draft_s: float
-    verify_s: float
 
 
 def _target(directory: Path, shape: str, device: str, dtype: torch.dtype) -> Path:
@@ -96,41 +82,35 @@ def exactness(work: Path, device: str) -> dict[str, str]:
     return results
 
 
-def _time(model: Model, config: str, max_new_tokens: int, **options: Any) -> TimingRow:
-    model.generate(PROMPTS[0], max_new_tokens=16, **options)  # warm-up
-    tokens, seconds, stats = 0, 0.0, []
-    for prompt in PROMPTS:
-        start = time.perf_counter()
-        completion = model.generate(prompt, max_new_tokens=max_new_tokens, **options)
-        seconds += time.perf_counter() - start
-        tokens += len(completion.token_ids)
-        stats.append(completion.stats)
-    lengths = [n for s in stats for n in s.acceptance_lengths]
-    return TimingRow(
-        config=config,
-        tokens_per_second=tokens / seconds,
-        mean_acceptance_length=sum(lengths) / max(1, len(lengths)),
-        overlap=sum(s.overlap for s in stats) / len(stats),
-        bubble=sum(s.bubble for s in stats) / len(stats),
-        predraft_hits=sum(s.predraft_hits for s in stats),
-        steps=sum(s.steps for s in stats),
-        draft_s=sum(s.draft_s for s in stats),
-        verify_s=sum(s.verify_s for s in stats),
-    )
+def _runs(model: Model, config: str, max_new_tokens: int, **options: Any) -> tuple[DFlash2Runner, list[RunResult]]:
+    """Every prompt once, timed, after an untimed warm-up."""
+    runner = DFlash2Runner(model, config, **options)
+    ids = [model.tokenizer(p).input_ids for p in PROMPTS]
+    runner.run(PROMPTS[0], ids[0], 16)
+    return runner, [runner.run(p, i, max_new_tokens) for p, i in zip(PROMPTS, ids, strict=True)]
 
 
-def timing(work: Path, shape: str, device: str, dtype: torch.dtype, max_new_tokens: int) -> list[TimingRow]:
+def timing(work: Path, shape: str, device: str, dtype: torch.dtype, max_new_tokens: int) -> list[Row]:
+    """Plain, then each drafter sync and async; "identical" compares with plain in the same dtype."""
     target = _target(work / "target", shape, device, dtype)
     model = load(target, device=device, dtype=dtype)
     drafters: dict[str, Any] = {"ngram": "ngram", "self": target, "dflash": _dflash(work / "dflash", shape)}
-    rows = [_time(model, "plain", max_new_tokens)]
+    runner, plain = _runs(model, "plain", max_new_tokens)
+    reference = [r.token_ids for r in plain]
+    rows = [aggregate(runner, "gpu-check", [(r, True) for r in plain])]
+
+    def timed(drafted: Model, config: str, **options: Any) -> None:
+        runner, results = _runs(drafted, config, max_new_tokens, **options)
+        checked = [(r, r.token_ids == e) for r, e in zip(results, reference, strict=True)]
+        rows.append(aggregate(runner, "gpu-check", checked))
+
     for name, drafter in drafters.items():
         drafted = model.with_drafter(drafter)
-        rows.append(_time(drafted, f"{name}-sync", max_new_tokens, pipeline="sync"))
+        timed(drafted, f"{name}-sync", pipeline="sync")
         schedules: tuple[Schedule, ...] = ("auto", "overlap") if name != "ngram" else ("auto",)
         for schedule in schedules:
             drafted.policy = OverlapPolicy(schedule=schedule)
-            rows.append(_time(drafted, f"{name}-async-{schedule}", max_new_tokens, pipeline="async"))
+            timed(drafted, f"{name}-async-{schedule}", pipeline="async")
     return rows
 
 
@@ -152,14 +132,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "shape": shape,
         "dtype": str(dtype),
         "exactness_fp32": exact,
-        "timing": [asdict(r) for r in rows],
+        "timing": rows_as_dicts(rows),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
     for r in rows:
         print(
-            f"{r.config:>18}: {r.tokens_per_second:7.1f} tok/s  tau {r.mean_acceptance_length:.2f}  "
-            f"overlap {r.overlap:.0%}  bubble {r.bubble:.0%}  pre-draft hits {r.predraft_hits}"
+            f"{r.config:>18}: {r.tokens_per_second:7.1f} tok/s  tau {r.mean_acceptance_length or 1:.2f}  "
+            f"overlap {r.overlap or 0:.0%}  bubble {r.bubble or 0:.0%}  "
+            f"pre-draft hit rate {r.predraft_hit_rate or 0:.0%}  identical to plain {r.identical}/{r.prompts}"
         )
     print("exactness (fp32):", exact)
     return report

@@ -78,7 +78,7 @@ def run_matrix(
             results.setdefault((runner.name, prompt.dataset), []).append((out, out.token_ids == expected))
     bar.close()
     rows = [
-        _aggregate(runner, dataset, results[(runner.name, dataset)])
+        aggregate(runner, dataset, results[(runner.name, dataset)])
         for dataset in dict.fromkeys(p.dataset for p in prompts)
         for runner in runners
     ]
@@ -88,7 +88,8 @@ def run_matrix(
     return rows
 
 
-def _aggregate(runner: Runner, dataset: str, runs: list[tuple[RunResult, bool]]) -> Row:
+def aggregate(runner: Runner, dataset: str, runs: list[tuple[RunResult, bool]]) -> Row:
+    """One row from a runner's timed runs on a dataset, each with whether it matched the reference."""
     tokens = sum(len(r.token_ids) for r, _ in runs)
     seconds = sum(r.seconds for r, _ in runs)
     lengths = [n for r, _ in runs for n in r.acceptance_lengths]

@@ -48,7 +48,7 @@ from dflash2.runtime.device import release_thread_pool
 from dflash2.runtime.loader import resolve_checkpoint
 from dflash2.tokenize import encode_prompt
 
-# transformers-1thread: plain greedy on one thread (on this 2-core CPU faster than on two for transformers)
+# transformers-1thread: plain greedy on dflash2's 1-thread draft worker (transformers' best thread count may be 1)
 PEERS = ("transformers", "transformers-1thread", "transformers-prompt-lookup", "transformers-assisted")
 DRAFTED = ("ngram", "ar", "dflash", "hybrid")  # hybrid: prompt lookup first, the DFlash drafter otherwise
 PIPELINE_NAMES = ("sync", "async")
