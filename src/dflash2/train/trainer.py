@@ -230,9 +230,8 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
     drafting = drafting_vocab(cfg, sequences, spec.vocab_size)
     fixed_index = None
     if drafting is not None:  # the softmax runs over exactly the tokens the drafter will draft
-        fixed_index = torch.full((spec.vocab_size,), -100, dtype=torch.long)
-        fixed_index[drafting] = torch.arange(drafting.numel())
-        fixed_index, drafting = fixed_index.to(target.device), drafting.to(target.device)
+        drafting = drafting.to(target.device)
+        fixed_index = position_index(drafting, spec.vocab_size)
     sampled = drafting is None and cfg.negatives >= 0
     data_ids = torch.unique(torch.cat([q.ids for q in sequences])) if sampled else None
     rng = random.Random(cfg.seed * 1_000_003 + start)
@@ -259,8 +258,7 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
                 logits = draft_logits(model, target, seq, blocks, drafting)
             elif data_ids is not None:  # labels as positions in the sampled vocabulary
                 vocab = sampled_vocab(data_ids, spec.vocab_size, cfg.negatives, generator).to(target.device)
-                index = torch.full((spec.vocab_size,), -100, dtype=torch.long, device=target.device)
-                index[vocab] = torch.arange(vocab.numel(), device=target.device)
+                index = position_index(vocab, spec.vocab_size)
                 labels = torch.where(labels >= 0, index[labels.clamp(min=0)], labels)
                 logits = draft_logits(model, target, seq, blocks, vocab)
             else:
@@ -279,8 +277,14 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             checkpoints.save(step + 1, model, optimizer, {"history": history})
     bar.close()
-    drafting = drafting_vocab(cfg, sequences, spec.vocab_size)
     return export(model, config, cfg.out / "drafter", history, drafting, cfg.draft_vocab_coverage)
+
+
+def position_index(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Each token id's position in ``vocab`` (-100, ignored by the loss, for tokens outside it)."""
+    index = torch.full((vocab_size,), -100, dtype=torch.long, device=vocab.device)
+    index[vocab] = torch.arange(vocab.numel(), device=vocab.device)
+    return index
 
 
 def drafting_vocab(cfg: TrainConfig, sequences: Sequence[TrainingSequence], vocab_size: int) -> torch.Tensor | None:
