@@ -7,6 +7,7 @@ import random
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -264,9 +265,34 @@ def test_overlap_policy_keeps_the_faster_schedule() -> None:
         overlap = slow.overlap_next()
         slow.record(overlap, 0.03 if overlap else 0.02, 1)
     assert slow.summary()["overlapped_s_per_token"] > slow.summary()["serial_s_per_token"]
-    assert not slow.overlap_next() or (sum(slow._steps.values()) % 10 == 0)
     with pytest.raises(dflash2.InvalidOptionError, match="schedule"):
         OverlapPolicy(schedule="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(dflash2.InvalidOptionError, match="recheck_every"):
+        OverlapPolicy(recheck_every=0)
+
+
+def _picks(policy: OverlapPolicy, steps: int, seconds: Callable[[int, bool], float]) -> list[bool]:
+    picks = []
+    for step in range(steps):
+        overlap = policy.overlap_next()
+        picks.append(overlap)
+        policy.record(overlap, seconds(step, overlap), 1)
+    return picks
+
+
+def test_overlap_policy_rechecks_a_losing_schedule_ever_less_often() -> None:
+    policy = OverlapPolicy(explore=2, recheck_every=10, max_recheck_every=40)
+    picks = _picks(policy, 400, lambda _, overlap: 0.03 if overlap else 0.02)
+    trials = [i for i, p in enumerate(picks) if p][2:]  # after the exploration
+    gaps = [b - a for a, b in zip(trials, trials[1:])]
+    assert gaps[:4] == [10, 20, 40, 40]  # the wait doubles, up to the cap
+    assert len(trials) < 15
+
+
+def test_overlap_policy_follows_a_change_of_the_lead() -> None:
+    policy = OverlapPolicy(explore=2, recheck_every=10, max_recheck_every=80)
+    picks = _picks(policy, 800, lambda step, overlap: (0.03 if step < 300 else 0.005) if overlap else 0.02)
+    assert picks[-100:].count(True) >= 95  # overlapping became the faster schedule and is kept
 
 
 @pytest.mark.timeout(300)

@@ -9,7 +9,8 @@ cores; on a CPU the draft worker runs one thread, see ``runtime.device``). The t
 meet once per step inside a task group that lives only for that step, so cancelling the
 consumer stops both within one step and nothing outlives the stream. Output is identical to
 the sync loop (greedy) or identically distributed (sampling); only speed depends on the
-prediction.
+prediction. Whether a step overlaps at all is ``OverlapPolicy``'s measured choice; a step it
+keeps serial is a single job on the verify worker, as in the sync loop.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import time
 
 import anyio
+import torch
 
 from dflash2.drafters.base import Draft, PreDraft, PreDrafting
 from dflash2.engine.policy import OverlapPolicy
@@ -49,24 +51,34 @@ class AsyncPipeline:
         if r.closed:
             return []
         started = time.perf_counter()
-        draft, self._ready = self._ready, None
-        if draft is None and r.session is None:  # plain decoding: nothing to draft
-            draft = r.propose()
-        if draft is None:  # nothing drafted ahead: the verifier waits for this one (drafted on its cores)
-            job = await self._workers.verify.run(r.propose)
-            draft = job.value
-            self.counters.wait_s += job.end - job.start
-        ahead = r.room - len(draft) - 1
-        session = r.session
-        can_overlap = len(draft) > 0 and ahead > 0 and isinstance(session, PreDrafting) and session.can_predraft()
-        overlap = can_overlap and (self._fixed or self._policy.overlap_next())
-        if overlap:
-            emitted = await self._verify_while_predrafting(draft, ahead)
-        else:
-            emitted = list((await self._workers.verify.run(lambda: r.settle(draft, r.verify(draft))[0])).value)
+        ready, self._ready = self._ready, None
+        # one job drafts (unless a pre-draft is ready), decides the schedule and, when the step
+        # stays serial, verifies too: a serial step costs what a sync step costs
+        draft, emitted, can_overlap = (await self._workers.verify.run(lambda: self._serial_step(ready))).value
+        overlapped = emitted is None
+        if emitted is None:
+            emitted = await self._verify_while_predrafting(draft, r.room - len(draft) - 1)
         if can_overlap and not self._fixed:
-            self._policy.record(overlap, time.perf_counter() - started, len(emitted))
+            self._policy.record(overlapped, time.perf_counter() - started, len(emitted))
         return emitted
+
+    def _serial_step(self, ready: Draft | None) -> tuple[Draft, list[int] | None, bool]:
+        """Draft if needed; verify and settle unless this step overlaps (then ``None`` for the tokens)."""
+        r = self.request
+        if r.closed:
+            return Draft(torch.zeros(0, dtype=torch.long)), [], False
+        draft = ready
+        if draft is None:
+            before = self.counters.draft_s
+            draft = r.propose()
+            self.counters.wait_s += self.counters.draft_s - before  # the verifier waits for this draft
+        session = r.session
+        ahead = r.room - len(draft) - 1
+        can_overlap = len(draft) > 0 and ahead > 0 and isinstance(session, PreDrafting) and session.can_predraft()
+        if can_overlap and (self._fixed or self._policy.overlap_next()):
+            return draft, None, True
+        emitted, _ = r.settle(draft, r.verify(draft))
+        return draft, emitted, can_overlap
 
     async def _verify_while_predrafting(self, draft: Draft, ahead: int) -> list[int]:
         r = self.request
