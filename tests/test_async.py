@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -284,7 +285,7 @@ def test_overlap_policy_rechecks_a_losing_schedule_ever_less_often() -> None:
     policy = OverlapPolicy(explore=2, recheck_every=10, max_recheck_every=40)
     picks = _picks(policy, 400, lambda _, overlap: 0.03 if overlap else 0.02)
     trials = [i for i, p in enumerate(picks) if p][2:]  # after the exploration
-    gaps = [b - a for a, b in zip(trials, trials[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(trials)]
     assert gaps[:4] == [10, 20, 40, 40]  # the wait doubles, up to the cap
     assert len(trials) < 15
 
