@@ -266,6 +266,7 @@ def test_overlap_policy_keeps_the_faster_schedule() -> None:
         overlap = slow.overlap_next()
         slow.record(overlap, 0.03 if overlap else 0.02, 1)
     assert slow.summary()["overlapped_s_per_token"] > slow.summary()["serial_s_per_token"]
+    assert not slow.overlap_next()  # between re-checks the losing schedule is never picked
     with pytest.raises(dflash2.InvalidOptionError, match="schedule"):
         OverlapPolicy(schedule="sometimes")  # type: ignore[arg-type]
     with pytest.raises(dflash2.InvalidOptionError, match="recheck_every"):

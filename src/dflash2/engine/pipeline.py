@@ -19,7 +19,6 @@ import sys
 import time
 
 import anyio
-import torch
 
 from dflash2.drafters.base import Draft, PreDraft, PreDrafting
 from dflash2.engine.policy import OverlapPolicy
@@ -66,7 +65,7 @@ class AsyncPipeline:
         """Draft if needed; verify and settle unless this step overlaps (then ``None`` for the tokens)."""
         r = self.request
         if r.closed:
-            return Draft(torch.zeros(0, dtype=torch.long)), [], False
+            return r.propose(), [], False  # an empty draft: a closed request drafts nothing
         draft = ready
         if draft is None:
             before = self.counters.draft_s
