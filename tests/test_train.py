@@ -99,8 +99,29 @@ def test_default_corpus_is_large_distinct_and_seeded() -> None:
     assert len(set(keys)) == len(keys) == 3000
     assert sum(isinstance(p, str) for p in corpus) == 1500  # half code, half chat
     assert default_corpus(3000, seed=1) == corpus != default_corpus(3000, seed=2)
+    assert default_corpus(2999, seed=1) == corpus[:2999]  # a prefix: a grown run keeps its cached responses
     every = default_corpus(10**6)
     assert len(every) == len(code_prompts()) + len(chat_prompts()) == len({json.dumps(p) for p in every})
+
+
+def test_data_cache_grows_and_never_mixes_prompts(target: Path, tmp_path: Path) -> None:
+    from dflash2.train.data import cache_features, generate_responses, load_sequences
+
+    model = dflash2.load(target)
+    path = tmp_path / "responses.jsonl"
+
+    def answer(prompts: list[str]) -> list[tuple[list[int], list[int]]]:
+        return generate_responses(model, prompts, path, 6, 32, 0.7, 1.0, 2, 0, progress=False)
+
+    first = answer(["abc", "hello"])
+    grown = answer(["abc", "hello", "xyz"])  # only the new prompt is answered
+    assert grown[:2] == first and len(path.read_text().splitlines()) == 3
+    with pytest.raises(dflash2.InvalidOptionError, match="other prompts"):
+        answer(["abd", "hello"])
+    files = cache_features(model, grown, (0, 1), tmp_path / "f", progress=False)
+    changed = [grown[0], (grown[1][0], [*grown[1][1][:-1], (grown[1][1][-1] + 1) % 64]), grown[2]]
+    again = load_sequences(cache_features(model, changed, (0, 1), tmp_path / "f", progress=False))
+    assert len(files) == 3 and [q.ids.tolist() for q in again] == [p + r for p, r in changed]  # stale file redone
 
 
 def test_prompts_file(tmp_path: Path) -> None:

@@ -631,16 +631,18 @@ def chat_prompts(limit: int | None = None, seed: int = 0) -> list[list[dict[str,
 
 
 def default_corpus(size: int, seed: int = 0) -> list[Prompt]:
-    """Half code, half chat (as far as each goes), interleaved."""
+    """Code and chat prompts taking turns (chat alone once the code runs out), the first ``size``.
+
+    A corpus is a prefix of every larger one, so a run grown with a larger ``--samples`` keeps its
+    cached responses."""
     code = code_prompts()
     random.Random(seed).shuffle(code)
     chat = chat_prompts(seed=seed)
-    half = size // 2
-    picked_code = code[: max(half, size - len(chat))]
-    picked_chat = chat[: size - len(picked_code)]
     out: list[Prompt] = []
-    for a, b in itertools.zip_longest(picked_code, picked_chat):
+    for a, b in itertools.zip_longest(code, chat):
         out += [p for p in (a, b) if p is not None]
+        if len(out) >= size:
+            break
     return out[:size]
 
 

@@ -3,11 +3,13 @@
 ``out/data/responses.jsonl`` holds one generated response per prompt (appended batch by batch);
 ``out/data/features/NNNNN.safetensors`` holds each sequence's ids, the target features of
 ``target_layer_ids`` (fp16) and the target's argmax after every position (``greedy``), all
-teacher-forced over prompt + response. Finished parts are skipped on the next run.
+teacher-forced over prompt + response. Finished parts are skipped on the next run; each cached
+response carries a hash of its prompt, so a cache is never paired with other prompts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Sequence
@@ -21,6 +23,7 @@ from tqdm import tqdm
 
 from dflash2.api import Model
 from dflash2.config import SamplingConfig
+from dflash2.errors import InvalidOptionError
 from dflash2.tokenize import encode_prompt
 from dflash2.train.corpus import Prompt
 from dflash2.train.generate import generate_batch
@@ -54,11 +57,20 @@ def generate_responses(
     Greedy answers are the texts greedy decoding meets; sampled ones widen the contexts. Each
     batch is greedy with probability ``greedy_share`` (seeded by its first prompt's index)."""
     encoded = [encode_prompt(model.tokenizer, p)[-max_prompt_tokens:] for p in prompts]
+    keys = [prompt_key(e) for e in encoded]
     done: dict[int, list[int]] = {}
     if path.is_file():
         for line in path.read_text().splitlines():
             record = json.loads(line)
-            done[int(record["index"])] = [int(t) for t in record["response"]]
+            index = int(record["index"])
+            if index >= len(encoded):
+                continue
+            if record.get("prompt", keys[index]) != keys[index]:
+                raise InvalidOptionError(
+                    f"{path} holds responses to other prompts (prompt {index} differs); "
+                    "train with a new --out, or delete that file to answer these prompts."
+                )
+            done[index] = [int(t) for t in record["response"]]
     todo = sorted((i for i in range(len(encoded)) if i not in done), key=lambda i: len(encoded[i]))
     path.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(encoded), initial=len(done), disable=not progress, desc="self-distil", unit="prompt")
@@ -72,7 +84,7 @@ def generate_responses(
             )
             for i, response in zip(chunk, responses, strict=True):
                 done[i] = response
-                sink.write(json.dumps({"index": i, "response": response}) + "\n")
+                sink.write(json.dumps({"index": i, "prompt": keys[i], "response": response}) + "\n")
             sink.flush()
             bar.update(len(chunk))
     bar.close()
@@ -87,13 +99,17 @@ def cache_features(
     directory: Path,
     progress: bool = True,
 ) -> list[Path]:
-    """Teacher-forced target features of every sequence, one file each; existing files are kept."""
+    """Teacher-forced target features of every sequence, one file each; files that already hold
+    their sequence are kept, others (re)computed."""
     directory.mkdir(parents=True, exist_ok=True)
     files = []
     for index, (prompt, response) in enumerate(tqdm(pairs, disable=not progress, desc="features", unit="seq")):
         file = directory / f"{index:05d}.safetensors"
         files.append(file)
-        if (file.is_file() and "greedy" in _keys(file)) or len(response) < 2:
+        if len(response) < 2:  # nothing to learn from; a stale file of another sequence goes
+            file.unlink(missing_ok=True)
+            continue
+        if _holds(file, prompt + response):
             continue
         ids = torch.tensor([prompt + response], device=model.device)
         cache = model.target.new_cache(ids.shape[1])
@@ -111,9 +127,18 @@ def cache_features(
     return [f for f in files if f.is_file()]
 
 
-def _keys(file: Path) -> set[str]:
+def prompt_key(prompt_ids: Sequence[int]) -> str:
+    """A short hash of a prompt's token ids, stored beside its cached response."""
+    return hashlib.sha256(json.dumps(list(prompt_ids)).encode()).hexdigest()[:16]
+
+
+def _holds(file: Path, ids: list[int]) -> bool:
+    """Whether ``file`` is a finished feature file of exactly the sequence ``ids``."""
+    if not file.is_file():
+        return False
     with safe_open(str(file), framework="pt") as f:
-        return set(f.keys())
+        names = set(f.keys())
+        return "greedy" in names and f.get_tensor("ids").tolist() == ids
 
 
 def load_sequences(files: Sequence[Path]) -> list[TrainingSequence]:
