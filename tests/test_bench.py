@@ -189,6 +189,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     report = gpu_main(["--out", str(tmp_path), "--max-new-tokens", "16"])
     assert json.loads((tmp_path / "gpu-check.json").read_text())["shape"] == "tiny"
     assert set(report["exactness_fp32"].values()) == {"3/3"}
+    assert {"dflash-sync", "dflash-async"} <= set(report["exactness_fp32"])
     configs = [row["config"] for row in report["timing"]]
     assert configs[0] == "plain" and "dflash-async-overlap" in configs and "self-async-overlap" in configs
     assert all(row["tokens_per_second"] > 0 for row in report["timing"])

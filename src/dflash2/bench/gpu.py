@@ -57,7 +57,7 @@ def _dflash(directory: Path, shape: str) -> Path:
 
 
 def exactness(work: Path, device: str) -> dict[str, str]:
-    """fp32 greedy on this device: dflash2 (plain and drafted, sync and async) against transformers."""
+    """fp32 greedy on this device: dflash2 (plain and each drafter, sync and async) against transformers."""
     path = save_random(work / "exact", "llama", seed=3, std=0.3, max_position_embeddings=512)
     reference: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     reference = reference.to(device).eval()
@@ -70,7 +70,8 @@ def exactness(work: Path, device: str) -> dict[str, str]:
             out = reference.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False)
             expected.append([int(t) for t in out[0, len(ids) :]])
     results = {}
-    for name, drafter in {"plain": None, "ngram": "ngram", "self": path}.items():
+    drafters = {"plain": None, "ngram": "ngram", "self": path, "dflash": save_random_dflash(work / "exact-dflash")}
+    for name, drafter in drafters.items():
         drafted = model.with_drafter(drafter)
         drafted.policy = OverlapPolicy(schedule="overlap")
         for pipeline in ("sync", "async"):
@@ -82,11 +83,20 @@ def exactness(work: Path, device: str) -> dict[str, str]:
     return results
 
 
+WARMUP_PASSES = 2
+
+
 def _runs(model: Model, config: str, max_new_tokens: int, **options: Any) -> tuple[DFlash2Runner, list[RunResult]]:
-    """Every prompt once, timed, after an untimed warm-up."""
+    """Every prompt once, timed, after ``WARMUP_PASSES`` untimed passes over all of them.
+
+    On the H200 lent here the first ~400 forwards of each new configuration ran 4-5x slower than
+    the rest (2026-12-04), so a short warm-up made whichever configuration ran first look slow."""
     runner = DFlash2Runner(model, config, **options)
     ids = [model.tokenizer(p).input_ids for p in PROMPTS]
-    runner.run(PROMPTS[0], ids[0], 16)
+    for _ in range(WARMUP_PASSES):
+        warm = [runner.run(p, i, max_new_tokens) for p, i in zip(PROMPTS, ids, strict=True)]
+        tokens = sum(len(r.token_ids) for r in warm)
+        print(f"{config:>20} warm-up: {tokens / sum(r.seconds for r in warm):7.1f} tok/s", flush=True)
     return runner, [runner.run(p, i, max_new_tokens) for p, i in zip(PROMPTS, ids, strict=True)]
 
 
@@ -98,11 +108,13 @@ def timing(work: Path, shape: str, device: str, dtype: torch.dtype, max_new_toke
     runner, plain = _runs(model, "plain", max_new_tokens)
     reference = [r.token_ids for r in plain]
     rows = [aggregate(runner, "gpu-check", [(r, True) for r in plain])]
+    _print(rows[0])
 
     def timed(drafted: Model, config: str, **options: Any) -> None:
         runner, results = _runs(drafted, config, max_new_tokens, **options)
         checked = [(r, r.token_ids == e) for r, e in zip(results, reference, strict=True)]
         rows.append(aggregate(runner, "gpu-check", checked))
+        _print(rows[-1])
 
     for name, drafter in drafters.items():
         drafted = model.with_drafter(drafter)
@@ -112,6 +124,15 @@ def timing(work: Path, shape: str, device: str, dtype: torch.dtype, max_new_toke
             drafted.policy = OverlapPolicy(schedule=schedule)
             timed(drafted, f"{name}-async-{schedule}", pipeline="async")
     return rows
+
+
+def _print(r: Row) -> None:
+    print(
+        f"{r.config:>20}: {r.tokens_per_second:7.1f} tok/s  tau {r.mean_acceptance_length or 1:.2f}  "
+        f"overlap {r.overlap or 0:.0%}  bubble {r.bubble or 0:.0%}  "
+        f"pre-draft hit rate {r.predraft_hit_rate or 0:.0%}  identical to plain {r.identical}/{r.prompts}",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -136,12 +157,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
-    for r in rows:
-        print(
-            f"{r.config:>18}: {r.tokens_per_second:7.1f} tok/s  tau {r.mean_acceptance_length or 1:.2f}  "
-            f"overlap {r.overlap or 0:.0%}  bubble {r.bubble or 0:.0%}  "
-            f"pre-draft hit rate {r.predraft_hit_rate or 0:.0%}  identical to plain {r.identical}/{r.prompts}"
-        )
     print("exactness (fp32):", exact)
     return report
 
