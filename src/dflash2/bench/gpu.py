@@ -30,6 +30,7 @@ from dflash2.engine.policy import OverlapPolicy, Schedule
 
 # (hidden, intermediate, layers, heads, kv heads, vocab): TinyLlama-1.1B's shape, and a tiny one
 SHAPES = {"1b": (2048, 5632, 22, 32, 4, 32000), "tiny": (64, 128, 2, 4, 2, 260)}
+WARMUP_PASSES = 2  # untimed passes over PROMPTS before each configuration's timed one
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n",
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -83,21 +84,22 @@ def exactness(work: Path, device: str) -> dict[str, str]:
     return results
 
 
-WARMUP_PASSES = 2
-
-
 def _runs(model: Model, config: str, max_new_tokens: int, **options: Any) -> tuple[DFlash2Runner, list[RunResult]]:
     """Every prompt once, timed, after ``WARMUP_PASSES`` untimed passes over all of them.
 
-    On the H200 lent here the first ~400 forwards of each new configuration ran 4-5x slower than
-    the rest (2026-12-04), so a short warm-up made whichever configuration ran first look slow."""
+    On the H200 lent here the first pass of a new drafter or schedule ran 3-9x slower than the
+    next (2026-12-04), so a short warm-up made whichever configuration ran first look slow."""
     runner = DFlash2Runner(model, config, **options)
     ids = [model.tokenizer(p).input_ids for p in PROMPTS]
+
+    def one_pass() -> list[RunResult]:
+        return [runner.run(p, i, max_new_tokens) for p, i in zip(PROMPTS, ids, strict=True)]
+
     for _ in range(WARMUP_PASSES):
-        warm = [runner.run(p, i, max_new_tokens) for p, i in zip(PROMPTS, ids, strict=True)]
+        warm = one_pass()
         tokens = sum(len(r.token_ids) for r in warm)
         print(f"{config:>20} warm-up: {tokens / sum(r.seconds for r in warm):7.1f} tok/s", flush=True)
-    return runner, [runner.run(p, i, max_new_tokens) for p, i in zip(PROMPTS, ids, strict=True)]
+    return runner, one_pass()
 
 
 def timing(work: Path, shape: str, device: str, dtype: torch.dtype, max_new_tokens: int) -> list[Row]:
