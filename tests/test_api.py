@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 from tiny import EOS, hf_greedy, save_tiny
 
 import dflash2
-from dflash2 import InvalidOptionError, StreamStateError
+from dflash2 import StreamStateError
 
 pytestmark = pytest.mark.anyio
 PROMPT = "The quick brown fox"
@@ -121,23 +122,6 @@ async def test_concurrent_streams_equal_running_alone(tiny_model: dflash2.Model)
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
 
 
-async def test_event_loop_stays_responsive(tiny_model: dflash2.Model) -> None:
-    ticks = 0
-    done = asyncio.Event()
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while not done.is_set():
-            ticks += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(ticker())
-    await tiny_model.agenerate(PROMPT, max_new_tokens=40)
-    done.set()
-    await task
-    assert ticks > 40  # the loop ran other work while tokens were computed in a worker thread
-
-
 def test_iterating_from_two_tasks_is_refused(tiny_model: dflash2.Model) -> None:
     async def main() -> None:
         stream = tiny_model.stream(PROMPT, max_new_tokens=30)
@@ -212,40 +196,132 @@ def test_sampling_is_seeded(tiny_model: dflash2.Model) -> None:
     assert a.token_ids != c.token_ids
 
 
-# ---------------------------------------------------------------- bad input
-@pytest.mark.parametrize(
-    ("options", "match"),
-    [
-        ({"max_new_tokens": -1}, "max_new_tokens"),
-        ({"max_new_tokens": 0}, "max_new_tokens"),
-        ({"max_new_tokens": 2.5}, "max_new_tokens"),
-        ({"max_new_tokens": True}, "max_new_tokens"),
-        ({"max_tokens": 5}, "Did you mean 'max_new_tokens'"),
-        ({"temprature": 0.5}, "Did you mean 'temperature'"),
-        ({"temperature": "hot"}, "temperature"),
-        ({"temperature": -0.1}, "temperature"),
-        ({"top_p": 0.0}, "top_p"),
-        ({"top_p": 1.5}, "top_p"),
-        ({"top_k": -3}, "top_k"),
-        ({"seed": "x"}, "seed"),
-        ({"stop": 5}, "stop"),
-        ({"stop": [""]}, "stop"),
-        ({"pipeline": "fast"}, "pipeline"),
-    ],
-)
-def test_bad_options_are_named_errors(tiny_model: dflash2.Model, options: dict[str, Any], match: str) -> None:
-    with pytest.raises(InvalidOptionError, match=match):
-        tiny_model.stream(PROMPT, **options)
+def test_stop_token_ids_end_generation_at_that_token(tiny_model: dflash2.Model) -> None:
+    free = tiny_model.generate(PROMPT, max_new_tokens=30)
+    token = free.token_ids[6]
+    cut = tiny_model.generate(PROMPT, max_new_tokens=30, stop_token_ids=[token])
+    assert cut.finish_reason == "stop"
+    assert cut.token_ids == free.token_ids[: free.token_ids.index(token) + 1]  # like EOS: included
+    assert tiny_model.generate(PROMPT, max_new_tokens=30, stop_token_ids=token).token_ids == cut.token_ids
 
 
-def test_prompt_longer_than_context(tiny_model: dflash2.Model) -> None:
-    with pytest.raises(dflash2.ContextLengthError, match="Shorten the prompt"):
-        tiny_model.stream("x" * 600, max_new_tokens=4)
-    with pytest.raises(dflash2.ContextLengthError, match="lower max_new_tokens"):
-        tiny_model.stream(PROMPT, max_new_tokens=600)
-    assert tiny_model.generate(PROMPT, max_new_tokens=3).token_ids  # still usable
+def test_a_stop_string_that_names_a_special_token_stops_at_it(tiny_model: dflash2.Model) -> None:
+    stream = tiny_model.stream(PROMPT, stop=["<pad>", "xyz"])
+    assert stream._config.stop_token_ids == (tiny_model.tokenizer.convert_tokens_to_ids("<pad>"),)
+    assert stream._config.stop == ("<pad>", "xyz")
 
 
-def test_bad_prompt_is_a_named_error(tiny_model: dflash2.Model) -> None:
-    with pytest.raises(dflash2.InvalidPromptError):
-        tiny_model.stream({"text": "hi"})
+# ---------------------------------------------------------------- stream life cycle
+async def test_iterating_an_ended_stream_again_is_a_clear_error(tiny_model: dflash2.Model) -> None:
+    stream = tiny_model.stream(PROMPT, max_new_tokens=5)
+    ids = [tok.id async for tok in stream]
+    assert len(ids) == 5
+    with pytest.raises(StreamStateError, match="cannot be iterated again"):
+        async for _ in stream:
+            pass
+    with pytest.raises(StopAsyncIteration):  # the iterator protocol itself keeps ending
+        await stream.__anext__()
+
+
+async def test_a_stream_closed_before_it_started_took_no_time(tiny_model: dflash2.Model) -> None:
+    stream = tiny_model.stream(PROMPT, max_new_tokens=5)
+    await asyncio.sleep(0.05)
+    await stream.aclose()
+    stats = stream.completion.stats
+    assert stream.completion.finish_reason == "cancelled"
+    assert stats.time_to_first_token_s == 0.0 and stats.decode_s == 0.0 and stats.new_tokens == 0
+
+
+class _FailingClose:
+    """A drafter whose sessions fail to close (a user drafter with a bug in ``close``)."""
+
+    name, block_size, capture_layers = "failing-close", 4, ()
+
+    def start(self, context: Any) -> _FailingClose:
+        return self
+
+    def propose(self, max_tokens: int) -> Any:
+        from dflash2.drafters import Draft
+
+        return Draft(torch.zeros(0, dtype=torch.long))
+
+    def observe(self, outcome: Any) -> None: ...
+
+    def close(self) -> None:
+        raise RuntimeError("close failed")
+
+
+async def test_a_failing_session_close_still_frees_the_cache(tiny_model: dflash2.Model) -> None:
+    model = tiny_model.with_drafter(_FailingClose())
+    stream = model.stream(PROMPT, max_new_tokens=20)
+    await stream.__anext__()
+    with pytest.raises(RuntimeError, match="close failed"):
+        await stream.aclose()
+    request = stream._source.request  # type: ignore[attr-defined]
+    assert request.cache is None and request.session is None
+    assert len((await tiny_model.agenerate(PROMPT, max_new_tokens=3)).token_ids) == 3
+
+
+def test_an_error_mid_stream_is_finish_reason_error(tiny_model: dflash2.Model) -> None:
+    class Exploding(_FailingClose):
+        def propose(self, max_tokens: int) -> Any:
+            raise ValueError("drafter exploded")
+
+        def close(self) -> None: ...
+
+    async def main() -> dflash2.TokenStream:
+        stream = tiny_model.with_drafter(Exploding()).stream(PROMPT, max_new_tokens=20)
+        with pytest.raises(ValueError, match="drafter exploded"):
+            async for _ in stream:
+                pass
+        return stream
+
+    stream = anyio.run(main)
+    assert stream.completion.finish_reason == "error"
+    assert len(stream.completion.token_ids) == 1  # the prefill's token was handed out
+
+
+def test_hybrid_block_size_holds_for_its_lookup_too(paths: dict[str, Path]) -> None:
+    lookup = dflash2.drafters.NGramDrafter(min_ngram=1, max_ngram=2)  # matches almost every step
+    model = dflash2.load(paths["target"], drafter=[lookup, paths["dflash1"]], block_size=4)
+    drafter = model.drafter
+    assert isinstance(drafter, dflash2.drafters.HybridDrafter)
+    assert drafter.lookup.block_size == 4 and drafter.model.block_size == 4
+    verified: list[int] = []
+    forward = model.target.forward
+
+    def spy(ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        verified.append(ids.shape[1])
+        return forward(ids, *args, **kwargs)
+
+    model.target.forward = spy  # type: ignore[method-assign]
+    model.generate(PROMPT, max_new_tokens=40)
+    steps = verified[1:]  # after the prefill
+    assert max(steps) == 4  # the lookup drafted full blocks of the size asked for, never more
+
+
+def test_options_are_typed_for_type_checkers(tmp_path: Path) -> None:
+    """A misspelt or mistyped option is a mypy error, not only a run-time one."""
+    mypy_api = pytest.importorskip("mypy.api")
+    root = Path(__file__).parents[1]
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text(
+        "import dflash2\n\n\n"
+        "def use(model: dflash2.Model) -> None:\n"
+        '    model.generate("hi", temprature=0.5)\n'
+        '    model.generate("hi", max_new_tokens="8")\n'
+        '    model.stream("hi", temperature=0.5, stop=["x"], stop_token_ids=[2], pipeline="sync", seed=1)\n'
+        '    model.stream("hi", pipeline="fast")\n'
+    )
+    out, _, status = mypy_api.run(
+        ["--config-file", str(root / "pyproject.toml"), "--cache-dir", str(root / ".mypy_cache"), str(snippet)]
+    )
+    assert status == 1, out
+    errors = [line for line in out.splitlines() if ": error:" in line]
+    assert [line.split(":")[1] for line in errors] == ["5", "6", "8"], out
+    assert 'Unexpected keyword argument "temprature"' in errors[0]
+
+
+def test_typed_options_name_every_option() -> None:
+    fields = {f.name for cls in (dflash2.GenerationConfig, dflash2.SamplingConfig) for f in dataclasses.fields(cls)}
+    assert set(dflash2.GenerationOptions.__optional_keys__) == fields

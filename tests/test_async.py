@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
-from tiny import SPEC_PROMPTS
+from tiny import SPEC_PROMPTS, SlowForward
 
 import dflash2
 from dflash2.drafters import Draft, DraftContext, Outcome
@@ -76,22 +76,12 @@ class SlowSession:
         self.inner.close()
 
 
-def slow_target(model: dflash2.Model, delay: float) -> None:
-    forward = model.target.forward
-
-    def slow(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(delay)
-        return forward(*args, **kwargs)
-
-    model.target.forward = slow  # type: ignore[method-assign]
-
-
 @pytest.mark.anyio
 async def test_slow_drafter_and_verifier_overlap_and_the_loop_stays_responsive(
     paths: dict[str, Path], references: dict[str, list[int]]
 ) -> None:
     base = dflash2.load(paths["target"], drafter=paths["target"])
-    slow_target(base, 0.03)
+    SlowForward(base, 0.03)
     model = forced(base.with_drafter(SlowDrafter(base.drafter, 0.03)))
     ticks, done = 0, False
 
@@ -153,8 +143,8 @@ async def test_cancellation_at_random_points_leaks_nothing(
     models = [target, target.with_drafter(paths["target"]), target.with_drafter("ngram")]
     models.append(target.with_drafter(paths["dflash2"]))
     for m in models:  # start the worker threads
-        await m.agenerate(PROMPTS[0], max_new_tokens=2)
-    threads, tasks = threading.active_count(), asyncio.all_tasks()
+        await m.agenerate(PROMPTS[0], max_new_tokens=48)
+    threads, tasks = sorted(t.name for t in threading.enumerate()), asyncio.all_tasks()
     rng = random.Random(0)
     for _ in range(100):
         model = rng.choice(models)
@@ -169,8 +159,12 @@ async def test_cancellation_at_random_points_leaks_nothing(
                         break
             assert stream.completion.finish_reason == "cancelled"
         elif how == "timeout":
-            with anyio.move_on_after(rng.uniform(0.0, 0.05)):
-                await model.agenerate(prompt, max_new_tokens=48, pipeline=pipeline)
+            limit, started = rng.uniform(0.0, 0.05), time.perf_counter()
+            with anyio.move_on_after(limit) as scope:
+                completion = await model.agenerate(prompt, max_new_tokens=48, pipeline=pipeline)
+            assert time.perf_counter() - started < limit + 0.25  # a tiny model's step is a few ms
+            if not scope.cancelled_caught:  # finished in time
+                assert list(completion.token_ids) == references[prompt]
         elif how == "cancel-task":
             task = asyncio.ensure_future(model.agenerate(prompt, max_new_tokens=48, pipeline=pipeline))
             await asyncio.sleep(rng.uniform(0.0, 0.05))
@@ -182,7 +176,7 @@ async def test_cancellation_at_random_points_leaks_nothing(
             for _ in range(rng.randrange(0, 10)):
                 await stream.__anext__()
             await stream.aclose()
-    assert threading.active_count() == threads
+    assert sorted(t.name for t in threading.enumerate()) == threads
     assert asyncio.all_tasks() == tasks
     for model in models:
         for prompt in PROMPTS:

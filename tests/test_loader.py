@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,3 +120,50 @@ def test_gguf_is_converted_once_then_cached(smollm2_gguf: Path, smollm2: dflash2
     assert weights.stat().st_mtime_ns == stamp
     assert "quantization_config" not in json.loads((converted / "config.json").read_text())
     assert smollm2.target.spec.num_layers == 30
+
+
+CONVERT = """
+import sys
+from dflash2.runtime.loader import gguf_to_safetensors
+from pathlib import Path
+print("converted", gguf_to_safetensors(Path(sys.argv[1])))
+"""
+
+
+@pytest.mark.smollm2
+@pytest.mark.timeout(300)
+def test_two_processes_converting_one_gguf_at_once(smollm2_gguf: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "DFLASH2_CACHE": str(tmp_path / "cache")}
+    runs = [
+        subprocess.Popen([sys.executable, "-c", CONVERT, str(smollm2_gguf)], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [run.communicate(timeout=240)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outs
+    converted = {line.split(" ", 1)[1] for out in outs for line in out.splitlines() if line.startswith("converted")}
+    assert len(converted) == 1  # both got the one cache entry
+    entries = sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.endswith(".lock"))
+    assert entries == [Path(converted.pop()).name]  # and no temporary directory is left
+
+
+def test_a_conversion_that_crashes_leaves_no_cache_entry(
+    smollm2_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dflash2.runtime import loader
+
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    target = tmp_path / "gguf" / f"{smollm2_gguf.stem}-{loader._file_fingerprint(smollm2_gguf)}"
+    target.parent.mkdir(parents=True)
+    killed = target.parent / f".tmp-{target.name}-killed"  # what a process killed midway leaves
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"half")
+
+    def crash(gguf: Path, out: Path) -> None:
+        (out / "model.safetensors").write_bytes(b"half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(loader, "_convert_gguf", crash)
+    with pytest.raises(OSError, match="disk full"):
+        resolve_checkpoint(smollm2_gguf)
+    assert not target.exists()
+    assert [p.name for p in target.parent.iterdir()] == [f"{target.name}.lock"]  # the crash's leftovers are gone

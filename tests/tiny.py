@@ -6,12 +6,24 @@ from typing import Any
 
 import torch
 
+from dflash2.bench.reliability import SlowForward
 from dflash2.bench.synthetic import BOS, CHAT_TEMPLATE, EOS, PAD, SPECIALS, byte_tokenizer, random_config, random_model
 from dflash2.bench.synthetic import BYTE_VOCAB as VOCAB
 from dflash2.bench.synthetic import save_random as save_tiny
 from dflash2.bench.synthetic import save_random_dflash as save_tiny_dflash
 
-__all__ = ["BOS", "CHAT_TEMPLATE", "EOS", "PAD", "SPECIALS", "VOCAB", "byte_tokenizer", "save_tiny", "save_tiny_dflash"]
+__all__ = [
+    "BOS",
+    "CHAT_TEMPLATE",
+    "EOS",
+    "PAD",
+    "SPECIALS",
+    "VOCAB",
+    "SlowForward",
+    "byte_tokenizer",
+    "save_tiny",
+    "save_tiny_dflash",
+]
 
 # prompts of the speculative tests (byte tokenizer: every character is a token)
 SPEC_PROMPTS = ["abcabcabc hello abcabc", "The quick brown fox", "x = [1, 2, 3]; y = [1, 2, 3]"]
@@ -32,3 +44,4 @@ def hf_greedy(model: Any, prompt_ids: list[int] | torch.Tensor, max_new_tokens: 
             pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else 0,
         )
     return [int(t) for t in out[0, ids.shape[1] :]]
+

@@ -1,9 +1,10 @@
 """dflash2: lossless asynchronous speculative decoding for Hugging Face causal LMs."""
 
 from dflash2.api import Model, load
-from dflash2.config import GenerationConfig, SamplingConfig, SpeculativeConfig
+from dflash2.config import GenerationConfig, GenerationOptions, SamplingConfig, SpeculativeConfig
 from dflash2.errors import (
     ContextLengthError,
+    CorruptCheckpointError,
     DFlash2Error,
     DrafterError,
     InvalidOptionError,
@@ -23,9 +24,11 @@ __all__ = [
     "BlockingTokenStream",
     "Completion",
     "ContextLengthError",
+    "CorruptCheckpointError",
     "DFlash2Error",
     "DrafterError",
     "GenerationConfig",
+    "GenerationOptions",
     "InvalidOptionError",
     "InvalidPromptError",
     "MissingDependencyError",

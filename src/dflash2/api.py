@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import sys
@@ -12,16 +13,19 @@ from typing import Any
 import anyio
 import torch
 from transformers import PreTrainedTokenizerBase
+from typing_extensions import Unpack
 
-from dflash2.config import SpeculativeConfig, parse_generation_options
+from dflash2.config import GenerationConfig, GenerationOptions, SpeculativeConfig, parse_generation_options
 from dflash2.drafters import Drafter, load_drafter
+from dflash2.drafters.base import drafter_context
 from dflash2.engine import AsyncPipeline, OverlapPolicy, Request, SyncPipeline
 from dflash2.errors import ContextLengthError, InvalidOptionError, StreamStateError
-from dflash2.runtime.device import Workers, release_thread_pool, resolve_device, resolve_dtype
+from dflash2.runtime.device import resolve_device, resolve_dtype
 from dflash2.runtime.loader import load_decoder, load_eos_ids, load_tokenizer, resolve_checkpoint
 from dflash2.runtime.model import Decoder
+from dflash2.runtime.workers import Workers, release_thread_pool
 from dflash2.stream import BlockingTokenStream, Completion, TokenSource, TokenStream
-from dflash2.tokenize import encode_prompt
+from dflash2.tokenize import Prompt, encode_prompt
 
 
 class Model:
@@ -57,7 +61,10 @@ class Model:
 
     @property
     def max_context(self) -> int:
-        return self.target.spec.max_position_embeddings
+        """Prompt + new tokens that fit: the target's context, or the drafter's when that is shorter."""
+        limit = drafter_context(self.drafter) if self.drafter is not None else None
+        target = self.target.spec.max_position_embeddings
+        return target if limit is None else min(target, limit)
 
     def __repr__(self) -> str:
         drafter = self.drafter.name if self.drafter is not None else None
@@ -77,21 +84,24 @@ class Model:
         """Refuse new streams on this model object (the compute threads are shared and stop at exit)."""
         self._closed = True
 
-    def stream(self, prompt: Any, **options: Any) -> TokenStream:
+    def stream(self, prompt: Prompt, **options: Unpack[GenerationOptions]) -> TokenStream:
         """Start generating; iterate the returned stream with ``async for``.
 
         Options: ``max_new_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``seed``,
-        ``stop`` (strings), ``pipeline`` (``"async"`` or ``"sync"``).
+        ``stop`` (strings; one that names a special token stops at that token),
+        ``stop_token_ids``, ``pipeline`` (``"async"`` or ``"sync"``).
         """
         if self._closed:
             raise StreamStateError("this model was closed; load it again to generate.")
         config, sampling = parse_generation_options(options)
+        config = self._with_stop_tokens(config)
         prompt_ids = encode_prompt(self.tokenizer, prompt)
         needed = len(prompt_ids) + config.max_new_tokens
         if needed > self.max_context:
+            whose = "the model's" if self.max_context == self.target.spec.max_position_embeddings else "the drafter's"
             raise ContextLengthError(
                 f"the prompt has {len(prompt_ids)} tokens and max_new_tokens is {config.max_new_tokens}: "
-                f"{needed} > the model's context of {self.max_context}. Shorten the prompt or lower max_new_tokens."
+                f"{needed} > {whose} context of {self.max_context}. Shorten the prompt or lower max_new_tokens."
             )
         request = Request(self.target, prompt_ids, config, sampling, self.drafter)
         source: TokenSource
@@ -101,7 +111,17 @@ class Model:
             source = AsyncPipeline(request, self.workers, self.policy)
         return TokenStream(source, self.tokenizer, len(prompt_ids), config, self.eos_token_ids)
 
-    def stream_sync(self, prompt: Any, **options: Any) -> BlockingTokenStream:
+    def _with_stop_tokens(self, config: GenerationConfig) -> GenerationConfig:
+        """Check ``stop_token_ids`` against the vocabulary; add the ids of stop strings that are special tokens."""
+        vocab = self.target.spec.vocab_size
+        for token_id in config.stop_token_ids:
+            if token_id >= vocab:
+                raise InvalidOptionError(f"stop_token_ids: {token_id} is not a token id (the vocabulary has {vocab}).")
+        added = self.tokenizer.get_added_vocab()  # special and added tokens, which decoding may skip
+        named = tuple(added[s] for s in config.stop if s in added and added[s] not in config.stop_token_ids)
+        return dataclasses.replace(config, stop_token_ids=config.stop_token_ids + named) if named else config
+
+    def stream_sync(self, prompt: Prompt, **options: Unpack[GenerationOptions]) -> BlockingTokenStream:
         """``for tok in model.stream_sync(...)``: :meth:`stream` for scripts (not inside an event loop)."""
         if _inside_event_loop():
             raise StreamStateError(
@@ -110,14 +130,14 @@ class Model:
             )
         return BlockingTokenStream(self.stream(prompt, **options))
 
-    async def agenerate(self, prompt: Any, **options: Any) -> Completion:
+    async def agenerate(self, prompt: Prompt, **options: Unpack[GenerationOptions]) -> Completion:
         """Generate to the end and return the :class:`Completion`."""
         async with self.stream(prompt, **options) as stream:
             async for _ in stream:
                 pass
         return stream.completion
 
-    def generate(self, prompt: Any, **options: Any) -> Completion:
+    def generate(self, prompt: Prompt, **options: Unpack[GenerationOptions]) -> Completion:
         """Blocking version of :meth:`agenerate` for scripts (not inside a running event loop)."""
         if _inside_event_loop():
             raise StreamStateError(
@@ -173,4 +193,4 @@ def load(
         name = Path(str(target)).name or str(target)
         return Model(decoder, tokenizer, eos, name=name, checkpoint=checkpoint).with_drafter(drafter, block_size)
     finally:
-        release_thread_pool()  # generation computes on dflash2's own threads (see runtime.device)
+        release_thread_pool()  # generation computes on dflash2's own threads (see runtime.workers)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from dflash2.errors import InvalidOptionError
 
 Pipeline = Literal["async", "sync"]
 PIPELINES: tuple[str, ...] = ("async", "sync")
+MAX_SEED = 2**63  # seeds (and the drafter's seed + 1) must fit torch's 64-bit generator seed
 
 
 def _is_int(value: Any) -> bool:
@@ -38,8 +39,8 @@ class SamplingConfig:
             raise InvalidOptionError(f"top_p must be a number in (0, 1], got {self.top_p!r}; use 1.0 to disable it.")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise InvalidOptionError(f"top_k must be an int >= 0, got {self.top_k!r}; use 0 to disable it.")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            raise InvalidOptionError(f"seed must be a non-negative int or None, got {self.seed!r}.")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
+            raise InvalidOptionError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}.")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
 
@@ -54,6 +55,7 @@ class GenerationConfig:
 
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     pipeline: Pipeline = "async"
 
     def __post_init__(self) -> None:
@@ -67,7 +69,17 @@ class GenerationConfig:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidOptionError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}.")
         object.__setattr__(self, "stop", tuple(stop))
-        if self.pipeline not in PIPELINES:
+        ids: Any = self.stop_token_ids
+        if isinstance(ids, int) and not isinstance(ids, bool):
+            ids = (ids,)
+        if ids is None:
+            ids = ()
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise InvalidOptionError(
+                f"stop_token_ids must be a token id or a list of token ids (ints >= 0), got {self.stop_token_ids!r}."
+            )
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if not isinstance(self.pipeline, str) or self.pipeline not in PIPELINES:
             raise InvalidOptionError(f"pipeline must be one of {PIPELINES}, got {self.pipeline!r}.")
 
 
@@ -80,6 +92,19 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if not _is_int(self.block_size) or not 2 <= self.block_size <= 64:
             raise InvalidOptionError(f"block_size must be an int in [2, 64], got {self.block_size!r}.")
+
+
+class GenerationOptions(TypedDict, total=False):
+    """The keyword options of ``Model.stream`` / ``agenerate`` / ``generate`` (type checkers see them)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: str | Sequence[str] | None
+    stop_token_ids: int | Sequence[int] | None
+    pipeline: Pipeline
 
 
 def _field_names(cls: type) -> list[str]:

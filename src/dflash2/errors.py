@@ -30,6 +30,10 @@ class OfflineModelError(ModelNotFoundError):
     """The hub is offline (``HF_HUB_OFFLINE``) and the model is not in the local cache."""
 
 
+class CorruptCheckpointError(DFlash2Error, ValueError):
+    """A checkpoint file exists but cannot be read: truncated, corrupted or malformed."""
+
+
 class UnsupportedModelError(DFlash2Error):
     """The checkpoint's architecture or one of its settings is not supported by the runtime."""
 

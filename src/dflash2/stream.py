@@ -14,6 +14,7 @@ from typing import Literal, Protocol
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 from anyio.from_thread import BlockingPortal
 from transformers import PreTrainedTokenizerBase
 
@@ -21,7 +22,7 @@ from dflash2.config import GenerationConfig
 from dflash2.errors import StreamStateError
 from dflash2.tokenize import IncrementalDetokenizer, StopMatcher
 
-FinishReason = Literal["stop", "length", "cancelled"]
+FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,10 @@ class _State(enum.Enum):
 class TokenStream:
     """Async iterator of :class:`Token` and async context manager.
 
-    ``break``, leaving ``async with``, ``await aclose()`` or cancelling the consuming task stops
-    the engine within one step and frees its cache; the model stays usable.
+    ``break``, leaving ``async with``, ``await aclose()`` (from any task of the stream's loop)
+    or cancelling the consuming task stops the engine after its running step and frees its
+    cache; the model stays usable. A stream is iterated once: iterating an ended stream again
+    raises :class:`~dflash2.StreamStateError`.
     """
 
     def __init__(
@@ -126,7 +129,7 @@ class TokenStream:
     ) -> None:
         self._source = source
         self._config = config
-        self._eos = eos_token_ids
+        self._eos = eos_token_ids | frozenset(config.stop_token_ids)
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopMatcher(config.stop)
         self._prompt_tokens = prompt_tokens
@@ -135,14 +138,20 @@ class TokenStream:
         self._ids: list[int] = []  # what was handed to the user
         self._text: list[str] = []
         self._state = _State.NEW
-        self._busy = False
+        self._busy = False  # a task is inside __anext__
+        self._idle: anyio.Event | None = None  # set when that task leaves (for aclose from another task)
         self._finish: FinishReason | None = None
-        self._t0 = 0.0
+        self._t0: float | None = None
         self._t_first: float | None = None
         self._t_end: float | None = None
 
     # ------------------------------------------------------------ iteration
     def __aiter__(self) -> TokenStream:
+        if self._state is _State.DONE:
+            raise StreamStateError(
+                "this stream has ended and cannot be iterated again; read stream.completion, "
+                "or start a new one with model.stream(...)."
+            )
         return self
 
     async def __anext__(self) -> Token:
@@ -150,16 +159,15 @@ class TokenStream:
             raise StreamStateError("this stream is already being iterated by another task; iterate it from one task.")
         self._busy = True
         try:
+            await anyio.lowlevel.checkpoint()  # every token is a point where the consumer can be cancelled
             while not self._ready:
                 if self._state is _State.DONE:
                     raise StopAsyncIteration
                 if self._state is _State.NEW:
                     self._state, self._t0 = _State.RUNNING, time.perf_counter()
-                try:
-                    ids = await self._source.next_ids()
-                except BaseException:
-                    await self._close("cancelled")
-                    raise
+                ids = await self._source.next_ids()
+                if self._state is _State.DONE:  # closed by another task while the step ran
+                    raise StopAsyncIteration
                 self._accept(ids)
                 if self._finish is not None:
                     await self._close(self._finish)
@@ -167,8 +175,19 @@ class TokenStream:
             self._ids.append(token.id)
             self._text.append(token.text)
             return token
+        except StopAsyncIteration:
+            raise
+        except Exception:
+            await self._close("error")
+            raise
+        except BaseException:  # cancellation, KeyboardInterrupt
+            await self._close("cancelled")
+            raise
         finally:
             self._busy = False
+            if self._idle is not None:
+                self._idle.set()
+                self._idle = None
 
     def _accept(self, ids: list[int]) -> None:
         """Turn engine ids into tokens, ending exactly at EOS, a stop string or max_new_tokens."""
@@ -200,11 +219,19 @@ class TokenStream:
             await self._source.aclose()
 
     async def aclose(self) -> None:
-        """Stop generating and free the cache; tokens not yet handed out are dropped. Idempotent."""
+        """Stop generating and free the cache; tokens not yet handed out are dropped. Idempotent.
+
+        Called from another task while the stream is being iterated, it returns once the running
+        step has ended (the iterating task then sees the end of the stream).
+        """
         if self._ready or self._state is not _State.DONE:
             self._ready.clear()
             self._finish = "cancelled"
         await self._close("cancelled")
+        if self._busy:
+            if self._idle is None:
+                self._idle = anyio.Event()
+            await self._idle.wait()
 
     async def __aenter__(self) -> TokenStream:
         return self
@@ -230,12 +257,13 @@ class TokenStream:
         c = self._source.counters
         now = self._t_end if self._t_end is not None else time.perf_counter()
         first = self._t_first if self._t_first is not None else now
+        start = self._t0 if self._t0 is not None else first  # never started: no time passed
         return Stats(
             prompt_tokens=self._prompt_tokens,
             new_tokens=len(self._ids),  # handed to the user
             steps=c.steps,
             acceptance_lengths=tuple(c.acceptance_lengths),
-            time_to_first_token_s=first - self._t0,
+            time_to_first_token_s=first - start,
             decode_s=now - first,
             draft_s=c.draft_s,
             verify_s=c.verify_s,

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from dflash2.api import Model
 from dflash2.bench.data import Prompt
+from dflash2.config import Pipeline
 from dflash2.drafters.dflash import DFlashSpec, load_dflash_drafter, ours_to_zlab
 from dflash2.stream import Stats
 
@@ -52,7 +53,7 @@ def _run_dataset(
     dataset: str,
     max_new_tokens: int,
     references: dict[int, tuple[int, ...]],
-    pipeline: str,
+    pipeline: Pipeline,
 ) -> _DatasetRun:
     run = _DatasetRun([], 0)
     for i, p in enumerate(prompts):

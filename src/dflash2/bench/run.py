@@ -44,8 +44,8 @@ from dflash2.bench.sweep import (
     write_sweep_json,
 )
 from dflash2.engine.policy import OverlapPolicy, Schedule
-from dflash2.runtime.device import release_thread_pool
 from dflash2.runtime.loader import resolve_checkpoint
+from dflash2.runtime.workers import release_thread_pool
 from dflash2.tokenize import encode_prompt
 
 # transformers-1thread: plain greedy on dflash2's 1-thread draft worker (transformers' best thread count may be 1)

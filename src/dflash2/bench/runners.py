@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from dflash2.api import Model
-from dflash2.runtime.device import Worker
+from dflash2.runtime.workers import Worker
 
 
 @dataclass

@@ -8,6 +8,7 @@ otherwise), or a ready ``Drafter`` object.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -99,4 +100,7 @@ def _hybrid(
     model = load_drafter(spec[1], target, tokenizer, block_size)
     if model is None or isinstance(model, (NGramDrafter, HybridDrafter)):
         raise DrafterError(usage)
-    return HybridDrafter(model) if spec[0] == "ngram" else HybridDrafter(model, spec[0])
+    lookup = HybridDrafter.default_lookup() if spec[0] == "ngram" else spec[0]
+    if block_size is not None:  # the block size asked for holds for both halves
+        lookup = dataclasses.replace(lookup, block_size=block_size)
+    return HybridDrafter(model, lookup)

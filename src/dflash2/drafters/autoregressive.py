@@ -34,6 +34,11 @@ class AutoregressiveDrafter:
         self.target_vocab_size = target_vocab_size
         model.pack()
 
+    @property
+    def max_context(self) -> int:
+        """Prompt + new tokens it can draft for (its cache also holds up to two blocks ahead)."""
+        return self.model.spec.max_position_embeddings - 2 * self.block_size
+
     def start(self, context: DraftContext) -> AutoregressiveSession:
         return AutoregressiveSession(self, context)
 

@@ -96,6 +96,12 @@ class Drafter(Protocol):
     def start(self, context: DraftContext) -> DraftSession: ...
 
 
+def drafter_context(drafter: Drafter) -> int | None:
+    """Prompt + new tokens ``drafter`` can draft for: its optional ``max_context`` (``None``: no limit)."""
+    limit = getattr(drafter, "max_context", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
 @dataclass(frozen=True)
 class PreDraft:
     """A draft made while the last proposal is still being verified, for the likely outcome:

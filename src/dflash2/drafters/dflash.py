@@ -131,6 +131,8 @@ class DFlashSpec:
             problems.append(f"target_layer_ids {list(self.target_layer_ids)} outside the target's {t.num_layers}")
         if self.num_target_layers is not None and self.num_target_layers != t.num_layers:
             problems.append(f"trained for a {self.num_target_layers}-layer target, this one has {t.num_layers}")
+        if self.vocab_size != t.vocab_size:
+            problems.append(f"vocab_size {self.vocab_size} != target's {t.vocab_size} (another model family?)")
         if not 0 <= self.mask_token_id < t.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} is not in the target's vocabulary")
         if problems:
@@ -382,10 +384,10 @@ class DFlashModel(nn.Module):
         try:
             state = zlab_to_ours(spec, tensors)
         except KeyError as err:
-            raise DrafterError(f"the drafter checkpoint lacks weight {err}.") from err
+            raise DrafterError(f"the drafter checkpoint lacks weight {err}; download it again.") from err
         missing = set(model.state_dict()) - set(state)
         if missing:
-            raise DrafterError(f"the drafter checkpoint lacks weights: {sorted(missing)[:5]}")
+            raise DrafterError(f"the drafter checkpoint lacks weights {sorted(missing)[:5]}; download it again.")
         model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
         return model
 

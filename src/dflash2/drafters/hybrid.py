@@ -11,7 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dflash2.drafters.base import Draft, DraftContext, Drafter, DraftSession, Outcome, PreDraft, PreDrafting
+from dflash2.drafters.base import (
+    Draft,
+    DraftContext,
+    Drafter,
+    DraftSession,
+    Outcome,
+    PreDraft,
+    PreDrafting,
+    drafter_context,
+)
 from dflash2.drafters.ngram import NGramDrafter
 from dflash2.errors import DrafterError
 
@@ -21,7 +30,12 @@ class HybridDrafter:
     """``lookup`` when the text repeats, ``model`` otherwise."""
 
     model: Drafter
-    lookup: NGramDrafter = field(default_factory=lambda: NGramDrafter(min_ngram=3, max_ngram=4))
+    lookup: NGramDrafter = field(default_factory=lambda: HybridDrafter.default_lookup())
+
+    @staticmethod
+    def default_lookup() -> NGramDrafter:
+        """Lookup only on 3+ matching tokens: shorter matches are better left to the model drafter."""
+        return NGramDrafter(min_ngram=3, max_ngram=4)
 
     def __post_init__(self) -> None:
         if not isinstance(self.lookup, NGramDrafter):
@@ -40,6 +54,10 @@ class HybridDrafter:
     @property
     def capture_layers(self) -> tuple[int, ...]:
         return tuple(self.model.capture_layers)
+
+    @property
+    def max_context(self) -> int | None:
+        return drafter_context(self.model)
 
     def start(self, context: DraftContext) -> HybridSession:
         return HybridSession(self.lookup.start(context), self.model.start(context), self.model.block_size)

@@ -5,7 +5,7 @@ worker, pre-drafts the next block for the likely outcome (the whole block accept
 by the drafter's guess of the bonus). If verification agrees, the next block is ready and the
 verifier starts at once; if not, the pre-draft is dropped and the next block is drafted from
 the verified state on the verify worker (the verifier waits for it anyway, so it gets all the
-cores; on a CPU the draft worker runs one thread, see ``runtime.device``). The two coroutines
+cores; on a CPU the draft worker runs one thread, see ``runtime.workers``). The two coroutines
 meet once per step inside a task group that lives only for that step, so cancelling the
 consumer stops both within one step and nothing outlives the stream. Output is identical to
 the sync loop (greedy) or identically distributed (sampling); only speed depends on the
@@ -15,6 +15,7 @@ keeps serial is a single job on the verify worker, as in the sync loop.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -23,7 +24,7 @@ import anyio
 from dflash2.drafters.base import Draft, PreDraft, PreDrafting
 from dflash2.engine.policy import OverlapPolicy
 from dflash2.engine.request import Request, Verified
-from dflash2.runtime.device import Timed, Workers
+from dflash2.runtime.workers import Timed, Workers
 from dflash2.stream import EngineCounters
 
 if sys.version_info < (3, 11):
@@ -45,15 +46,17 @@ class AsyncPipeline:
 
     async def next_ids(self) -> list[int]:
         r = self.request
+        verify = self._workers.verify
         if not r.started:
-            return list((await self._workers.verify.run(r.prefill)).value)
-        if r.closed:
-            return []
+            return list((await r.run(verify, r.prefill)).value or [])
         started = time.perf_counter()
         ready, self._ready = self._ready, None
         # one job drafts (unless a pre-draft is ready), decides the schedule and, when the step
         # stays serial, verifies too: a serial step costs what a sync step costs
-        draft, emitted, can_overlap = (await self._workers.verify.run(lambda: self._serial_step(ready))).value
+        step = (await r.run(verify, functools.partial(self._serial_step, ready))).value
+        if step is None:  # the request was closed
+            return []
+        draft, emitted, can_overlap = step
         overlapped = emitted is None
         if emitted is None:
             emitted = await self._verify_while_predrafting(draft, r.room - len(draft) - 1)
@@ -64,8 +67,6 @@ class AsyncPipeline:
     def _serial_step(self, ready: Draft | None) -> tuple[Draft, list[int] | None, bool]:
         """Draft if needed; verify and settle unless this step overlaps (then ``None`` for the tokens)."""
         r = self.request
-        if r.closed:
-            return r.propose(), [], False  # an empty draft: a closed request drafts nothing
         draft = ready
         if draft is None:
             before = self.counters.draft_s
@@ -81,16 +82,18 @@ class AsyncPipeline:
 
     async def _verify_while_predrafting(self, draft: Draft, ahead: int) -> list[int]:
         r = self.request
+        if r.closed:  # by another task, since the serial step
+            return []
         session = r.session
         assert isinstance(session, PreDrafting)
         jobs: dict[str, Timed] = {}
 
         async def verify() -> None:
             threads = self._workers.overlapped_verify_threads
-            jobs["verify"] = await self._workers.verify.run(lambda: r.verify(draft), threads=threads)
+            jobs["verify"] = await r.run(self._workers.verify, functools.partial(r.verify, draft), threads)
 
         async def predraft() -> None:
-            jobs["predraft"] = await self._workers.draft.run(lambda: self._timed_predraft(session, ahead))
+            jobs["predraft"] = await r.run(self._workers.draft, functools.partial(self._timed_predraft, session, ahead))
 
         try:
             async with anyio.create_task_group() as tg:
@@ -101,8 +104,13 @@ class AsyncPipeline:
         v, p = jobs["verify"], jobs["predraft"]
         self.counters.hidden_s += max(0.0, min(v.end, p.end) - max(v.start, p.start))
         self.counters.wait_s += max(0.0, p.end - v.end)
-        verified: Verified = v.value
-        emitted, outcome = (await self._workers.verify.run(lambda: r.settle(draft, verified))).value
+        verified: Verified | None = v.value
+        if verified is None:  # the request was closed
+            return []
+        settled = (await r.run(self._workers.verify, functools.partial(r.settle, draft, verified))).value
+        if settled is None:
+            return []
+        emitted, outcome = settled
         pre: PreDraft | None = p.value
         if pre is not None and pre.matches(outcome, len(draft)):
             self._ready = Draft(pre.draft.tokens.to(r.target.device), pre.draft.probs)

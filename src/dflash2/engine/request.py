@@ -8,13 +8,19 @@ Every phase is a plain synchronous function run inside a compute worker:
     settle    verify.accept(...)                    -> a kept, next token n;
               cache.rollback(keeps x, d_1 .. d_a);  session.observe(a, n, features)
 
-The engines only decide what runs when (and what runs at the same time).
+The engines only decide what runs when (and what runs at the same time). Each phase runs
+through :meth:`Request.use`, so a close from the event loop never frees state a worker is using:
+it takes effect at once when no phase runs, else when the running ones end.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -22,9 +28,12 @@ from dflash2.config import GenerationConfig, SamplingConfig
 from dflash2.drafters.base import Draft, DraftContext, Drafter, DraftSession, Outcome
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.model import Decoder
+from dflash2.runtime.workers import Timed, Worker
 from dflash2.sampling import choose, make_generator
 from dflash2.stream import EngineCounters
 from dflash2.verify import accept
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,24 +70,50 @@ class Request:
         self.last = -1  # the last emitted token, not yet in the target's cache
         self.verified = 0  # tokens in the target's cache that stay there
         self.generated = 0
+        self.started = False
         self.closed = False
-
-    @property
-    def started(self) -> bool:
-        return self.cache is not None
+        self._lock = threading.Lock()
+        self._phases = 0  # phases running now (in worker threads)
 
     @property
     def room(self) -> int:
         """Draft tokens that still fit: a step emits its drafts plus one."""
         return self.max_new - self.generated - 1
 
+    def use(self, phase: Callable[[], T]) -> T | None:
+        """Run ``phase`` unless the request is closed (then ``None``); a close meanwhile waits for its end."""
+        with self._lock:
+            if self.closed:
+                return None
+            self._phases += 1
+        try:
+            return phase()
+        finally:
+            with self._lock:
+                self._phases -= 1
+                free = self.closed and self._phases == 0
+            if free:
+                self._free()
+
+    async def run(self, worker: Worker, phase: Callable[[], T], threads: int | None = None) -> Timed:
+        """Run ``phase`` on ``worker`` through :meth:`use`: its value is ``None`` if the request was closed."""
+        return await worker.run(functools.partial(self.use, phase), threads)
+
     def close(self) -> None:
-        self.closed = True
-        if self.session is not None:
-            self.session.close()
-        self.session, self.cache = None, None
+        """Stop the request: its caches are freed now, or when the phases running now end."""
+        with self._lock:
+            already, self.closed = self.closed, True
+            free = not already and self._phases == 0
+        if free:
+            self._free()
+
+    def _free(self) -> None:
+        session, self.session, self.cache = self.session, None, None
+        if session is not None:
+            session.close()
 
     def prefill(self) -> list[int]:
+        self.started = True
         self.cache = self.target.new_cache(self.capacity)
         ids = torch.tensor([self.prompt], device=self.target.device)
         out = self.target(ids, self.cache, logits="last", capture=self.capture)
@@ -101,7 +136,7 @@ class Request:
         return [self.last]
 
     def propose(self) -> Draft:
-        if self.session is None or self.room <= 0 or self.closed:
+        if self.session is None or self.room <= 0:
             return Draft(torch.zeros(0, dtype=torch.long, device=self.target.device))
         start = time.perf_counter()
         draft = self.session.propose(self.room)

@@ -7,7 +7,7 @@ step is one job on the model's verify worker (see ``engine/request.py`` for the 
 from __future__ import annotations
 
 from dflash2.engine.request import Request
-from dflash2.runtime.device import Worker
+from dflash2.runtime.workers import Worker
 from dflash2.stream import EngineCounters
 
 
@@ -21,14 +21,12 @@ class SyncPipeline:
 
     async def next_ids(self) -> list[int]:
         r = self.request
-        if not r.started:
-            return list((await self._worker.run(r.prefill)).value)
-        return list((await self._worker.run(self._step)).value)
+        phase = self._step if r.started else r.prefill
+        emitted = (await r.run(self._worker, phase)).value
+        return [] if emitted is None else list(emitted)  # None: the request was closed
 
     def _step(self) -> list[int]:
         r = self.request
-        if r.closed:
-            return []
         before = self.counters.draft_s
         draft = r.propose()
         self.counters.wait_s += self.counters.draft_s - before  # drafting is all on the critical path

@@ -18,11 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from filelock import FileLock
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from dflash2.errors import (
+    CorruptCheckpointError,
+    DFlash2Error,
     MissingDependencyError,
     ModelNotFoundError,
     OfflineModelError,
@@ -96,7 +99,12 @@ def _snapshot(repo_id: str) -> Path:
 
 # ---------------------------------------------------------------- GGUF
 def gguf_to_safetensors(gguf: Path) -> Path:
-    """Dequantize a GGUF file once; return the cached safetensors directory."""
+    """Dequantize a GGUF file once; return the cached safetensors directory.
+
+    The cache entry appears atomically (written to a temporary directory, then renamed), under a
+    file lock: processes converting the same file at once convert it once, and a crash midway
+    leaves no entry (its temporary directory is removed by the next conversion).
+    """
     target = cache_dir() / "gguf" / f"{gguf.stem}-{_file_fingerprint(gguf)}"
     if (target / "config.json").is_file():
         return target
@@ -106,28 +114,45 @@ def gguf_to_safetensors(gguf: Path) -> Path:
         raise MissingDependencyError(
             "loading .gguf files needs the 'gguf' package: pip install 'dflash2[gguf]'"
         ) from err
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f"{target.name}.lock")):
+        if (target / "config.json").is_file():  # another process converted it meanwhile
+            return target
+        for stale in target.parent.glob(f".tmp-{target.name}-*"):  # left by a crash
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}-"))
+        try:
+            _convert_gguf(gguf, tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        config = model.config
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(f"{gguf.name} holds a {config.model_type!r} model, which is not supported.")
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        data = config.to_dict()
-        data.pop("quantization_config", None)
-        (tmp / "config.json").write_text(json.dumps(data, indent=2))
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    except DFlash2Error:
+        raise
+    except Exception as err:  # the gguf reader raises many kinds on a damaged file
+        raise CorruptCheckpointError(
+            f"{gguf} could not be read as a GGUF model ({type(err).__name__}: {err}). It may be truncated or "
+            "damaged: download it again."
+        ) from err
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"{gguf.name} holds a {config.model_type!r} model, which is not supported.")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    data = config.to_dict()
+    data.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(data, indent=2))
+    tokenizer.save_pretrained(out)
 
 
 def _file_fingerprint(path: Path, chunk: int = 1 << 20) -> str:
@@ -142,17 +167,31 @@ def _file_fingerprint(path: Path, chunk: int = 1 << 20) -> str:
 
 # ---------------------------------------------------------------- config, weights, tokenizer
 def read_config(checkpoint: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((checkpoint / "config.json").read_text())
+    path = checkpoint / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CorruptCheckpointError(f"{path} is not valid JSON ({err}); download the model again or fix it.") from err
+    if not isinstance(data, dict):
+        raise CorruptCheckpointError(f"{path} holds a {type(data).__name__}, not a JSON object of model settings.")
     return data
 
 
 def load_hf_config(checkpoint: Path) -> PretrainedConfig:
     model_type = read_config(checkpoint).get("model_type")
+    if model_type is None:
+        raise UnsupportedModelError(
+            f"{checkpoint / 'config.json'} has no model_type, so its architecture is unknown; "
+            f"dflash2 runs {', '.join(SUPPORTED_MODEL_TYPES)} decoders."
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"{checkpoint} is a {model_type!r} model; dflash2 runs {', '.join(SUPPORTED_MODEL_TYPES)} decoders."
         )
-    config: PretrainedConfig = AutoConfig.from_pretrained(checkpoint, trust_remote_code=False)
+    try:
+        config: PretrainedConfig = AutoConfig.from_pretrained(checkpoint, trust_remote_code=False)
+    except (ValueError, TypeError, KeyError) as err:
+        raise CorruptCheckpointError(f"{checkpoint / 'config.json'} has invalid settings: {err}") from err
     return config
 
 
@@ -160,7 +199,10 @@ def load_safetensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a single-file or sharded (``model.safetensors.index.json``) checkpoint."""
     index = checkpoint / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CorruptCheckpointError(f"{index} is not a safetensors index ({err}); download it again.") from err
     else:
         files = sorted(p.name for p in checkpoint.glob("*.safetensors"))
     if not files:
@@ -170,9 +212,16 @@ def load_safetensors(checkpoint: Path) -> dict[str, torch.Tensor]:
         )
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        with safe_open(str(checkpoint / name), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensors[key] = f.get_tensor(key)
+        path = checkpoint / name
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    tensors[key] = f.get_tensor(key)
+        except FileNotFoundError as err:
+            raise ModelNotFoundError(f"{path} is missing (the index names it); download it again.") from err
+        except (SafetensorError, OSError) as err:
+            why = f"{path} cannot be read ({err}); it may be truncated: download it again."
+            raise CorruptCheckpointError(why) from err
     return tensors
 
 
@@ -182,14 +231,19 @@ def load_decoder(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> 
     try:
         return Decoder.from_hf_state(spec, tensors, dtype, device)
     except KeyError as err:
-        raise UnsupportedModelError(f"{checkpoint}: weight {err} is missing; the checkpoint is incomplete.") from err
+        raise UnsupportedModelError(
+            f"{checkpoint}: weight {err} is missing; the checkpoint is incomplete: download it again."
+        ) from err
 
 
 def load_tokenizer(checkpoint: Path) -> PreTrainedTokenizerBase:
     try:
         tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(checkpoint, trust_remote_code=False)
     except (OSError, ValueError) as err:
-        raise ModelNotFoundError(f"{checkpoint} has no usable tokenizer files: {err}") from err
+        raise ModelNotFoundError(
+            f"{checkpoint} has no usable tokenizer files ({err}); save the tokenizer beside the weights "
+            "(tokenizer.save_pretrained) or download the model again."
+        ) from err
     return tokenizer
 
 
