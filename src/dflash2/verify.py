@@ -1,9 +1,10 @@
 """Lossless acceptance of a draft block: pure tensor math, no model, no state.
 
 A verify forward over ``[x, d_1 .. d_k]`` gives target logits ``L[0..k]``; ``L[i]`` scores the
-token after input ``i``. Both rules return ``(accepted, next_token)``: the first ``accepted``
-draft tokens are kept and ``next_token`` follows them (the bonus after a full accept, the
-correction after a rejection). The output distribution equals the target's alone.
+token after input ``i``. Both rules return ``(accepted, next_token)`` as 0-dim tensors on the
+logits' device (the engine reads them with one host copy per step): the first ``accepted`` draft
+tokens are kept and ``next_token`` follows them (the bonus after a full accept, the correction
+after a rejection). The output distribution equals the target's alone.
 """
 
 from __future__ import annotations
@@ -14,16 +15,14 @@ from dflash2.config import SamplingConfig
 from dflash2.sampling import probabilities, sample
 
 
-def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Longest prefix where the draft equals the target argmax; then the argmax after it.
 
     ``draft`` [k] ids, ``target_logits`` [k + 1, vocab].
     """
     choice = target_logits.argmax(-1)
-    k = draft.shape[0]
-    matches = (draft == choice[:k]).int().cumprod(0)
-    accepted = int(matches.sum()) if k else 0
-    return accepted, int(choice[accepted])
+    accepted = (draft == choice[: draft.shape[0]]).long().cumprod(0).sum()
+    return accepted, choice[accepted]
 
 
 def speculative_sample(
@@ -31,7 +30,7 @@ def speculative_sample(
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     generator: torch.Generator | None,
-) -> tuple[int, int]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. / Chen et al.), exact in distribution.
 
     With draft probabilities ``q`` [k, vocab]: keep ``d_i`` with probability
@@ -39,25 +38,30 @@ def speculative_sample(
     after a full accept sample the bonus from ``p[k]``. Without ``q`` (a deterministic draft,
     e.g. n-gram lookup) the draft token is kept iff it equals a sample from ``p``, and that
     sample is the correction otherwise. ``target_probs`` [k + 1, vocab] are post-transform.
+
+    Every position is decided at once (one uniform per draft token) and the next token is drawn
+    from the one row the first rejection selects, so the rule is a few tensor ops with no host
+    synchronisation. A deterministic draft is the case ``q = one_hot(d)``: ``d_i`` is kept with
+    probability ``p(d_i)``, and a rejection samples ``p`` without ``d_i``, which is the law of
+    "keep iff it equals a sample of p, else that sample".
     """
-    k = draft.shape[0]
-    for i in range(k):
-        token = int(draft[i])
-        p = target_probs[i]
-        if draft_probs is None:
-            sampled = int(sample(p, generator))
-            if sampled != token:
-                return i, sampled
-            continue
-        q = draft_probs[i]
-        ratio = float(p[token]) / max(float(q[token]), torch.finfo(q.dtype).tiny)
-        if ratio >= 1.0 or float(torch.rand((), generator=generator, device=p.device)) < ratio:
-            continue
-        residual = (p - q).clamp_min(0.0)
-        total = residual.sum()
-        residual = residual / total if float(total) > 0 else p
-        return i, int(sample(residual, generator))
-    return k, int(sample(target_probs[k], generator))
+    k, vocab = draft.shape[0], target_probs.shape[-1]
+    rows = torch.arange(k, device=draft.device)
+    kept = target_probs[rows, draft]
+    if draft_probs is not None:
+        tiny = torch.finfo(draft_probs.dtype).tiny
+        kept = kept / draft_probs[rows, draft].clamp_min(tiny)
+    uniform = torch.rand(k, generator=generator, device=target_probs.device)
+    accepted = (uniform < kept).long().cumprod(0).sum()
+    p = target_probs[accepted]  # the position of the first rejection, or the bonus row k
+    if draft_probs is not None:
+        q = torch.cat([draft_probs, draft_probs.new_zeros(1, vocab)])[accepted]
+    else:  # one_hot(d_accepted), or nothing after a full accept
+        rejected = (accepted < k).to(p.dtype).view(1)
+        q = p.new_zeros(vocab).scatter_(0, torch.cat([draft, draft.new_zeros(1)])[accepted].view(1), rejected)
+    residual = (p - q).clamp_min(0.0)  # unnormalized: sampling normalizes
+    residual = torch.where(residual.sum() > 0, residual, p)
+    return accepted, sample(residual, generator)
 
 
 def accept(
@@ -66,8 +70,8 @@ def accept(
     target_logits: torch.Tensor,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
-) -> tuple[int, int]:
-    """Greedy match at temperature 0, speculative sampling otherwise."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy match at temperature 0, speculative sampling otherwise; 0-dim tensors on the logits' device."""
     if sampling.greedy:
         return greedy_accept(draft, target_logits)
     return speculative_sample(draft, draft_probs, probabilities(target_logits, sampling), generator)

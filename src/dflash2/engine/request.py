@@ -157,10 +157,11 @@ class Request:
         """Accept, roll the cache back to what stays, tell the drafter; return the new tokens."""
         assert self.cache is not None
         start = time.perf_counter()
-        accepted, token = accept(
-            draft.tokens.to(self.target.device), draft.probs, verified.logits, self.sampling, self.generator
-        )
-        emitted = [int(t) for t in draft.tokens[:accepted]] + [token]
+        tokens = draft.tokens.to(self.target.device)
+        accepted_t, token_t = accept(tokens, draft.probs, verified.logits, self.sampling, self.generator)
+        accepted, *block = torch.cat([accepted_t.view(1), tokens, token_t.view(1)]).tolist()  # one host copy
+        emitted = [*block[:accepted], block[-1]]
+        token = emitted[-1]
         self.verified += accepted + 1
         self.cache.rollback(self.verified)
         kept = verified.hidden[: accepted + 1] if verified.hidden is not None else None
