@@ -1,7 +1,7 @@
 """dflash2: lossless asynchronous speculative decoding for Hugging Face causal LMs."""
 
 from dflash2.api import Model, load
-from dflash2.config import GenerationConfig, GenerationOptions, SamplingConfig, SpeculativeConfig
+from dflash2.config import GenerationConfig, GenerationOptions, GraphConfig, SamplingConfig, SpeculativeConfig
 from dflash2.errors import (
     ContextLengthError,
     CorruptCheckpointError,
@@ -29,6 +29,7 @@ __all__ = [
     "DrafterError",
     "GenerationConfig",
     "GenerationOptions",
+    "GraphConfig",
     "InvalidOptionError",
     "InvalidPromptError",
     "MissingDependencyError",

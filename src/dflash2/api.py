@@ -15,12 +15,21 @@ import torch
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import Unpack
 
-from dflash2.config import GenerationConfig, GenerationOptions, SpeculativeConfig, parse_generation_options
+from dflash2.config import (
+    GenerationConfig,
+    GenerationOptions,
+    GraphConfig,
+    GraphMode,
+    SamplingConfig,
+    SpeculativeConfig,
+    parse_generation_options,
+)
 from dflash2.drafters import Drafter, load_drafter
-from dflash2.drafters.base import drafter_context
+from dflash2.drafters.base import StaticStepping, drafter_context
 from dflash2.engine import AsyncPipeline, OverlapPolicy, Request, SyncPipeline
 from dflash2.errors import ContextLengthError, InvalidOptionError, StreamStateError
 from dflash2.runtime.device import resolve_device, resolve_dtype
+from dflash2.runtime.graphs import MAX_BUCKET, Slot, StepPool, buckets_up_to
 from dflash2.runtime.loader import load_decoder, load_eos_ids, load_tokenizer, resolve_checkpoint
 from dflash2.runtime.model import Decoder
 from dflash2.runtime.workers import Workers, release_thread_pool
@@ -40,6 +49,8 @@ class Model:
         checkpoint: Path,
         drafter: Drafter | None = None,
         workers: Workers | None = None,
+        graphs: GraphConfig | None = None,
+        steps: StepPool[Slot] | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -50,6 +61,16 @@ class Model:
         self.workers = workers if workers is not None else Workers.shared(target.device)
         self._closed = False
         self.policy = OverlapPolicy()  # learns, per drafter, whether drafting ahead pays
+        self.graphs = graphs if graphs is not None else GraphConfig()
+        self.graph_mode = self.graphs.resolve(target.device.type)
+        # the target's static slots (shared by every Model of this target, see with_drafter)
+        self.steps = steps
+        if steps is None and self.graph_mode != "off":
+            context = min(self.graphs.context, target.spec.max_position_embeddings)
+            self.steps = StepPool.for_decoder(target, self.graph_mode, context, self.graphs.slots)
+        if self.steps is not None and isinstance(drafter, StaticStepping):
+            # a drafter's caches also hold the blocks it drafts ahead of the verified text
+            drafter.use_static_steps(self.graph_mode, self.steps.context + 2 * MAX_BUCKET, self.graphs.slots)
 
     @property
     def device(self) -> torch.device:
@@ -78,7 +99,31 @@ class Model:
             chosen = load_drafter(drafter, self.target, self.tokenizer, block_size)
         finally:
             release_thread_pool()
-        return Model(self.target, self.tokenizer, self.eos_token_ids, self.name, self.checkpoint, chosen, self.workers)
+        model = Model(
+            self.target, self.tokenizer, self.eos_token_ids, self.name, self.checkpoint, chosen, self.workers,
+            self.graphs, self.steps,
+        )  # fmt: skip
+        if model.graph_mode == "cuda":
+            model.warmup()
+        return model
+
+    def warmup(self) -> None:
+        """Build the static steps (capture the CUDA graphs) and run one short generation.
+
+        With ``graphs="cuda"`` (the default on CUDA) :func:`load` and :meth:`with_drafter` call
+        it, so the first request runs at steady-state speed; elsewhere it only warms the kernels.
+        """
+        block = self.drafter.block_size if self.drafter is not None else 1
+        capture = tuple(self.drafter.capture_layers) if self.drafter is not None else ()
+        if self.steps is not None:
+            self.workers.verify.call(functools.partial(self.steps.prepare, buckets_up_to(block), capture))
+        if isinstance(self.drafter, StaticStepping):
+            self.workers.verify.call(self.drafter.prepare_static_steps)
+        prompt = encode_prompt(self.tokenizer, "Warm-up: the quick brown fox jumps over the lazy dog.")
+        request = Request(
+            self.target, prompt, GenerationConfig(max_new_tokens=4 * block), SamplingConfig(), self.drafter, self.steps
+        )
+        self.workers.verify.call(functools.partial(_run_to_the_end, request))
 
     def close(self) -> None:
         """Refuse new streams on this model object (the compute threads are shared and stop at exit)."""
@@ -103,7 +148,7 @@ class Model:
                 f"the prompt has {len(prompt_ids)} tokens and max_new_tokens is {config.max_new_tokens}: "
                 f"{needed} > {whose} context of {self.max_context}. Shorten the prompt or lower max_new_tokens."
             )
-        request = Request(self.target, prompt_ids, config, sampling, self.drafter)
+        request = Request(self.target, prompt_ids, config, sampling, self.drafter, self.steps)
         source: TokenSource
         if config.pipeline == "sync":
             source = SyncPipeline(request, self.workers.verify)
@@ -147,6 +192,17 @@ class Model:
         return anyio.run(functools.partial(self.agenerate, prompt, **options))
 
 
+def _run_to_the_end(request: Request) -> None:
+    """The sync loop in one call (warm-up): prefill, then steps until ``max_new_tokens``."""
+    try:
+        request.prefill()
+        while request.room >= 0:
+            draft = request.propose()
+            request.settle(draft, request.verify(draft))
+    finally:
+        request.close()
+
+
 def _inside_event_loop() -> bool:
     try:
         asyncio.get_running_loop()
@@ -170,20 +226,25 @@ def load(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
     block_size: int | None = None,
+    graphs: GraphConfig | GraphMode = "auto",
 ) -> Model:
     """Load a target model from a hub id, a local directory or a ``.gguf`` file, and a drafter.
 
     ``drafter``: ``None`` (plain decoding), ``"ngram"`` (prompt lookup), a hub id or directory
     of a DFlash / DFlash2 drafter or of a small causal LM with the target's tokenizer, or a
     :class:`dflash2.drafters.Drafter` object. ``block_size`` (tokens per verify forward, incl. the
-    last verified one) overrides the drafter's default.
+    last verified one) overrides the drafter's default. ``graphs``: CUDA graphs (``"cuda"``, the
+    default on CUDA, captured at load), eager forwards (``"off"``, the default on the CPU), or a
+    :class:`GraphConfig`.
     """
     if not isinstance(target, (str, os.PathLike)):
         raise InvalidOptionError(f"target must be a hub id or a path, not {type(target).__name__}.")
     if block_size is not None:
         SpeculativeConfig(block_size=block_size)  # fail before loading anything
+    graph_config = GraphConfig.of(graphs)
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
+    graph_config.resolve(resolved_device.type)  # fail before loading anything
     checkpoint = resolve_checkpoint(target)
     try:
         decoder = load_decoder(checkpoint, resolved_dtype, resolved_device)
@@ -191,6 +252,7 @@ def load(
         tokenizer = load_tokenizer(checkpoint)
         eos = load_eos_ids(checkpoint, decoder.spec)
         name = Path(str(target)).name or str(target)
-        return Model(decoder, tokenizer, eos, name=name, checkpoint=checkpoint).with_drafter(drafter, block_size)
+        model = Model(decoder, tokenizer, eos, name=name, checkpoint=checkpoint, graphs=graph_config)
+        return model.with_drafter(drafter, block_size)
     finally:
         release_thread_pool()  # generation computes on dflash2's own threads (see runtime.workers)

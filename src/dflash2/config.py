@@ -94,6 +94,48 @@ class SpeculativeConfig:
             raise InvalidOptionError(f"block_size must be an int in [2, 64], got {self.block_size!r}.")
 
 
+GraphMode = Literal["auto", "off", "static", "cuda"]
+GRAPH_MODES: tuple[str, ...] = ("auto", "off", "static", "cuda")
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """How forwards run (``load(graphs=...)``; see ``runtime.graphs``).
+
+    ``mode``: ``"cuda"`` replays captured CUDA graphs of static steps (the default on CUDA);
+    ``"off"`` runs eagerly with shapes that follow each request (the default on the CPU);
+    ``"static"`` runs the static steps eagerly, the code the graphs hold (tests, debugging);
+    ``"auto"`` picks by device. ``context``: prompt + new tokens a request may need to use the
+    static steps (a longer one runs eagerly); ``slots``: requests that use them at once, each
+    holding a KV cache of ``context`` tokens.
+    """
+
+    mode: GraphMode = "auto"
+    context: int = 4096
+    slots: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, str) or self.mode not in GRAPH_MODES:
+            raise InvalidOptionError(f"graphs must be one of {GRAPH_MODES} or a GraphConfig, got {self.mode!r}.")
+        if not _is_int(self.context) or self.context < 1:
+            raise InvalidOptionError(f"GraphConfig.context must be an int >= 1, got {self.context!r}.")
+        if not _is_int(self.slots) or self.slots < 1:
+            raise InvalidOptionError(f"GraphConfig.slots must be an int >= 1, got {self.slots!r}.")
+
+    @classmethod
+    def of(cls, value: GraphConfig | str) -> GraphConfig:
+        """A mode name or a config, as ``load(graphs=...)`` takes it."""
+        return value if isinstance(value, GraphConfig) else cls(mode=value)  # type: ignore[arg-type]
+
+    def resolve(self, device_type: str) -> Literal["off", "static", "cuda"]:
+        """The mode on ``device_type`` (``"cuda"`` needs a CUDA device)."""
+        if self.mode == "auto":
+            return "cuda" if device_type == "cuda" else "off"
+        if self.mode == "cuda" and device_type != "cuda":
+            raise InvalidOptionError("graphs='cuda' needs a CUDA device; use 'static' or 'off' on the CPU.")
+        return self.mode
+
+
 class GenerationOptions(TypedDict, total=False):
     """The keyword options of ``Model.stream`` / ``agenerate`` / ``generate`` (type checkers see them)."""
 

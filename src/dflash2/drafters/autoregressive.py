@@ -12,6 +12,7 @@ import torch
 from dflash2.config import SamplingConfig
 from dflash2.drafters.base import Draft, DraftContext, Outcome, PreDraft
 from dflash2.errors import InvalidOptionError
+from dflash2.runtime.graphs import MAX_BUCKET, Slot, StepMode, StepPool
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.model import Decoder
 from dflash2.sampling import probabilities, sample
@@ -32,12 +33,20 @@ class AutoregressiveDrafter:
         self.block_size = block_size
         self.name = name
         self.target_vocab_size = target_vocab_size
+        self.steps: StepPool[Slot] | None = None
         model.pack()
 
     @property
     def max_context(self) -> int:
         """Prompt + new tokens it can draft for (its cache also holds up to two blocks ahead)."""
         return self.model.spec.max_position_embeddings - 2 * self.block_size
+
+    def use_static_steps(self, mode: StepMode, context: int, slots: int) -> None:
+        self.steps = StepPool.for_decoder(self.model, mode, context, slots)
+
+    def prepare_static_steps(self) -> None:
+        if self.steps is not None:
+            self.steps.prepare((1,))  # drafting is one token at a time; catching up uses other sizes
 
     def start(self, context: DraftContext) -> AutoregressiveSession:
         return AutoregressiveSession(self, context)
@@ -57,7 +66,9 @@ class AutoregressiveSession:
         self._model = drafter.model
         self._sampling = context.sampling
         self._generator = context.generator
-        self._cache: KVCache | None = self._model.new_cache(context.max_tokens + 2 * drafter.block_size)
+        capacity = context.max_tokens + 2 * drafter.block_size
+        self._slot: Slot | None = drafter.steps.acquire(capacity) if drafter.steps is not None else None
+        self._cache: KVCache | None = self._slot.cache if self._slot is not None else self._model.new_cache(capacity)
         self._seq: list[int] = [*context.prompt_ids, context.first_token]
         self._cached: list[int] = []
         self._proposal: list[int] = []
@@ -76,11 +87,15 @@ class AutoregressiveSession:
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Process ``tokens`` after the cached ones; logits after the last of them."""
         assert self._cache is not None
-        ids = torch.tensor([tokens], device=self._model.device)
-        logits = self._model(ids, self._cache, logits="last").logits
-        assert logits is not None
+        ids = torch.tensor(tokens, device=self._model.device)
+        if self._slot is not None and len(tokens) <= MAX_BUCKET:
+            last = self._slot.forward(ids)[0][-1]
+        else:
+            logits = self._model(ids[None], self._cache, logits="last").logits
+            assert logits is not None
+            last = logits[0, -1]
         self._cached.extend(tokens)
-        return self._fit_vocab(logits[0, -1])
+        return self._fit_vocab(last)
 
     def _draft_after(self, context: list[int], count: int) -> tuple[list[int], list[torch.Tensor]]:
         """Draft ``count`` tokens continuing ``context`` (its last token included)."""
@@ -149,3 +164,6 @@ class AutoregressiveSession:
 
     def close(self) -> None:
         self._cache = None
+        slot, self._slot = self._slot, None
+        if slot is not None and self._d.steps is not None:
+            self._d.steps.release(slot)

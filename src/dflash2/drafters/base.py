@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from dflash2.config import SamplingConfig
+from dflash2.runtime.graphs import StepMode
 
 
 @dataclass(frozen=True)
@@ -125,3 +126,20 @@ class PreDrafting(Protocol):
         ...
 
     def predraft(self, max_tokens: int) -> PreDraft | None: ...
+
+
+@runtime_checkable
+class StaticStepping(Protocol):
+    """Drafters whose forwards can run as static steps (``runtime.graphs``: CUDA graphs on CUDA).
+
+    The model calls :meth:`use_static_steps` once, with its graph mode, and before the first
+    request :meth:`prepare_static_steps` (capture) from its verify worker.
+    """
+
+    def use_static_steps(self, mode: StepMode, context: int, slots: int) -> None:
+        """Run sessions of at most ``context`` tokens on ``slots`` static slots in ``mode``."""
+        ...
+
+    def prepare_static_steps(self) -> None:
+        """Build (capture) the static steps sessions will use."""
+        ...

@@ -16,7 +16,7 @@ an output multiplier and logit soft-capping. Checkpoints use the z-lab format: `
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from transformers import Qwen3Config
 from dflash2.config import SamplingConfig
 from dflash2.drafters.base import Draft, DraftContext, Outcome, PreDraft
 from dflash2.errors import DrafterError
+from dflash2.runtime.graphs import MAX_BUCKET, Outputs, StaticStep, StepMode, StepPool, bucket, buckets_up_to
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.linear import Linear, pack_linears
 from dflash2.runtime.model import MLP, Decoder, RotaryTable, apply_rope, attend, rms_norm
@@ -161,11 +162,13 @@ class DFlashAttention(nn.Module):
         cache: KVCache | None,
         layer: int,
         mask: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x`` [B, T, D] block states; ``context`` [B, C, D] new projected context features.
 
         With a cache, the new context and block keys/values are written after the cached ones
-        and attention covers all of them; without one, only ``context`` and ``x``.
+        (or at ``positions``, a static step) and attention covers them; without one, only
+        ``context`` and ``x``.
         """
         b, t, _ = x.shape
         q = rms_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim), self.q_norm, self.eps)
@@ -175,7 +178,7 @@ class DFlashAttention(nn.Module):
         q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
-            k, v = cache.write(layer, k, v)
+            k, v = cache.write(layer, k, v, positions)
         return self.o_proj(attend(q, k, v, mask))
 
 
@@ -237,12 +240,13 @@ class DFlashLayer(nn.Module):
         cache: KVCache | None,
         layer: int,
         mask: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = rms_norm(x, self.input_layernorm, self.eps)
         kernel = None
         if self.attention_conv is not None:
             h, kernel = self.attention_conv.prepare(h)
-        h = self.attn(h, context, rope_q, rope_k, cache, layer, mask)
+        h = self.attn(h, context, rope_q, rope_k, cache, layer, mask, positions)
         if self.attention_conv is not None and kernel is not None:
             h = self.attention_conv.finish(h, kernel)
         x = x + h
@@ -325,24 +329,33 @@ class DFlashModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.dtype
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, zeroed: bool = False) -> KVCache:
         s = self.spec
-        return KVCache(s.num_layers, s.num_kv_heads, s.head_dim, capacity, dtype=self.dtype, device=self.device)
+        return KVCache(
+            s.num_layers, s.num_kv_heads, s.head_dim, capacity, dtype=self.dtype, device=self.device, zeroed=zeroed
+        )
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [B, C, layers * D] -> context states [B, C, D]."""
         return rms_norm(self.fc(features), self.hidden_norm, self.spec.rms_norm_eps)
 
-    def masks(self, start: int, block: int, keys: int, device: torch.device) -> list[torch.Tensor | None]:
-        """Per-layer visibility of the ``keys`` cached positions for block queries at ``start``."""
-        q_pos = torch.arange(start, start + block, device=device)[:, None]
-        k_pos = torch.arange(keys, device=device)[None, :]
+    def masks(
+        self, queries: torch.Tensor, keys: int, valid: torch.Tensor | None = None
+    ) -> list[torch.Tensor | None]:
+        """Per-layer visibility [T, keys] of the cache positions for block queries at positions ``queries`` [T].
+
+        ``valid`` (a static step's device scalar) hides every position from it on.
+        """
+        q_pos = queries[:, None]
+        k_pos = torch.arange(keys, device=queries.device)[None, :]
         out: list[torch.Tensor | None] = []
         for causal, window in zip(self.spec.causal, self.spec.sliding_windows, strict=True):
-            if not causal and window is None:
+            if not causal and window is None and valid is None:
                 out.append(None)
                 continue
-            visible = torch.ones(block, keys, dtype=torch.bool, device=device)
+            visible = torch.ones(q_pos.shape[0], keys, dtype=torch.bool, device=queries.device)
+            if valid is not None:
+                visible &= k_pos < valid
             if causal:
                 visible &= k_pos <= q_pos
             if window is not None:
@@ -352,19 +365,47 @@ class DFlashModel(nn.Module):
             out.append(visible)
         return out
 
-    def forward(self, block_embeds: torch.Tensor, context: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        context: torch.Tensor,
+        cache: KVCache,
+        start: torch.Tensor | None = None,
+        count: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Draft states [B, T, D] (after the final norm) for the block that follows the cached
-        context plus ``context`` [B, C, D] (projected). Only the context stays in the cache."""
-        ctx_start, new_ctx, block = cache.length, context.shape[1], block_embeds.shape[1]
-        cache.check_room(new_ctx + block)
-        start = ctx_start + new_ctx
-        rope_k = self.rope(ctx_start, new_ctx + block)
-        rope_q = self.rope(start, block)
-        masks = self.masks(start, block, start + block, block_embeds.device)
+        context plus ``context`` [B, C, D] (projected). Only the context stays in the cache.
+
+        A static step (``runtime.graphs``) gives the cache length ``start`` and the number of
+        real context rows ``count`` as device scalars: the rows past ``count`` (padding) go to
+        spare positions at the end of the cache that no query sees, the block after the real
+        rows; nothing on the host is read or changed (the caller advances ``cache.length``).
+        """
+        rows, block, device = context.shape[1], block_embeds.shape[1], block_embeds.device
+        positions: torch.Tensor | None = None
+        valid: torch.Tensor | None = None
+        if start is None or count is None:
+            ctx_start = cache.length
+            cache.check_room(rows + block)
+            begin = ctx_start + rows
+            queries = torch.arange(begin, begin + block, device=device)
+            rope_k = self.rope(ctx_start, rows + block)
+            keys = begin + block
+        else:
+            row = torch.arange(rows, device=device)
+            spare = cache.capacity - rows + row  # distinct, and past every query's reach
+            begin_t = start + count
+            queries = begin_t + torch.arange(block, device=device)
+            positions = torch.cat([torch.where(row < count, start + row, spare), queries])
+            rope_k = self.rope.at(positions)
+            keys, valid = cache.capacity, begin_t + block
+        rope_q = self.rope.at(queries)
+        masks = self.masks(queries, keys, valid)
         x = block_embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, context, rope_q, rope_k, cache, i, masks[i])
-        cache.advance(new_ctx)  # the block's keys/values are dropped again
+            x = layer(x, context, rope_q, rope_k, cache, i, masks[i], positions)
+        if positions is None:
+            cache.advance(rows)  # the block's keys/values are dropped again
         return rms_norm(x, self.norm, self.spec.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -494,9 +535,77 @@ class DFlashDrafter:
         pack_linears(model)
         if isinstance(self.head, Linear) and self.head is not target.lm_head:
             self.head.pack()
+        self.steps: StepPool[DFlashSlot] | None = None
+
+    def use_static_steps(self, mode: StepMode, context: int, slots: int) -> None:
+        # room past the context for a padded block and for the spare rows of the padding
+        self.steps = StepPool([DFlashSlot(self, context + 2 * MAX_BUCKET, mode) for _ in range(slots)], context)
+
+    def prepare_static_steps(self) -> None:
+        if self.steps is not None:  # a step's new context is one verified block: its bonus and accepted drafts
+            self.steps.prepare(buckets_up_to(self.block_size))
 
     def start(self, context: DraftContext) -> DFlashSession:
         return DFlashSession(self, context)
+
+
+class DFlashSlot:
+    """A session's context cache of fixed capacity and its static block forwards (``runtime.graphs``).
+
+    One step per bucket of new context rows (the target features verified since the last
+    draft); the block is always ``[last, MASK x (B-1)]``, held in ``ids``.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, capacity: int, mode: StepMode) -> None:
+        model = drafter.model
+        self._d = drafter
+        self.mode = mode
+        self.cache = model.new_cache(capacity, zeroed=True)
+        self.start = torch.zeros((), dtype=torch.long, device=model.device)
+        self.count = torch.zeros((), dtype=torch.long, device=model.device)
+        self.ids = torch.full((1, drafter.block_size), model.spec.mask_token_id, device=model.device)
+        self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+        self.steps: dict[int, tuple[torch.Tensor, StaticStep]] = {}
+
+    def step(self, size: int) -> tuple[torch.Tensor, StaticStep]:
+        """The feature buffer [1, size, F] and the step drafting after ``size`` new context rows."""
+        if size not in self.steps:
+            model, spec = self._d.model, self._d.model.spec
+            width = len(spec.target_layer_ids) * spec.hidden_size
+            features = torch.zeros((1, size, width), dtype=model.dtype, device=model.device)
+
+            def forward() -> Outputs:
+                embeds = self._d.target.embed(self.ids) * spec.input_embedding_scale
+                states = model(embeds, model.project_context(features), self.cache, self.start, self.count)
+                return (states[:, 1:],)
+
+            self.steps[size] = (features, StaticStep(forward, self.mode, self.pool))
+        return self.steps[size]
+
+    def draft_states(self, last: int, features: torch.Tensor) -> torch.Tensor:
+        """Draft states [1, B-1, D] of the masks after ``last``, given the new context ``features`` [C, F].
+
+        The context advances by C; the states are valid until the slot's next step.
+        """
+        rows = features.shape[0]
+        size = bucket(max(rows, 1))
+        self.cache.check_room(rows + self._d.block_size + size)
+        buffer, step = self.step(size)
+        buffer[0, :rows].copy_(features)
+        self.ids[0, 0].fill_(last)
+        self.start.fill_(self.cache.length)
+        self.count.fill_(rows)
+        (states,) = step.run()
+        self.cache.advance(rows)
+        assert states is not None
+        return states
+
+    def prepare(self, size: int, capture: Sequence[int] = ()) -> None:
+        _, step = self.step(size)
+        if self.mode == "cuda" and not step.captured:
+            self.start.fill_(0)
+            self.count.fill_(0)
+            step.capture()
 
 
 class DFlashSession:
@@ -515,7 +624,9 @@ class DFlashSession:
         self._model = drafter.model
         self._sampling = context.sampling
         self._generator = context.generator
-        self._cache: KVCache | None = self._model.new_cache(context.max_tokens + 2 * drafter.block_size)
+        capacity = context.max_tokens + 2 * drafter.block_size
+        self._slot: DFlashSlot | None = drafter.steps.acquire(capacity) if drafter.steps is not None else None
+        self._cache: KVCache | None = self._slot.cache if self._slot is not None else self._model.new_cache(capacity)
         self._pending: list[torch.Tensor] = [context.prompt_hidden]  # features not yet in the cache
         self._last = context.first_token
         self._proposal: list[int] = []
@@ -525,14 +636,16 @@ class DFlashSession:
         """Draft states [1, B-1, D] for the masks after the ``clean`` tokens; feeds pending features."""
         assert self._cache is not None
         target, model, spec = self._d.target, self._model, self._model.spec
+        width = len(spec.target_layer_ids) * spec.hidden_size
+        pending = self._pending or [torch.zeros(0, width)]
+        features = torch.cat(pending, dim=0).to(device=model.device, dtype=model.dtype)
+        self._pending = []
+        if self._slot is not None and len(clean) == 1 and features.shape[0] <= MAX_BUCKET:
+            return self._slot.draft_states(clean[0], features)
         ids = [*clean, *[spec.mask_token_id] * (self._d.block_size - 1)]
         block = torch.tensor([ids], device=model.device)
         embeds = target.embed(block) * spec.input_embedding_scale
-        width = len(spec.target_layer_ids) * spec.hidden_size
-        pending = self._pending or [torch.zeros(0, width)]
-        features = torch.cat(pending, dim=0)[None].to(device=model.device, dtype=model.dtype)
-        self._pending = []
-        return model(embeds, model.project_context(features), self._cache)[:, len(clean) :]
+        return model(embeds, model.project_context(features[None]), self._cache)[:, len(clean) :]
 
     def _pick(
         self, hidden: torch.Tensor, anchor: int, sampling: SamplingConfig
@@ -591,6 +704,9 @@ class DFlashSession:
     def close(self) -> None:
         self._cache = None
         self._pending = []
+        slot, self._slot = self._slot, None
+        if slot is not None and self._d.steps is not None:
+            self._d.steps.release(slot)
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"

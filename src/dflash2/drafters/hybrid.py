@@ -19,10 +19,12 @@ from dflash2.drafters.base import (
     Outcome,
     PreDraft,
     PreDrafting,
+    StaticStepping,
     drafter_context,
 )
 from dflash2.drafters.ngram import NGramDrafter
 from dflash2.errors import DrafterError
+from dflash2.runtime.graphs import StepMode
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,14 @@ class HybridDrafter:
     @property
     def max_context(self) -> int | None:
         return drafter_context(self.model)
+
+    def use_static_steps(self, mode: StepMode, context: int, slots: int) -> None:
+        if isinstance(self.model, StaticStepping):
+            self.model.use_static_steps(mode, context, slots)
+
+    def prepare_static_steps(self) -> None:
+        if isinstance(self.model, StaticStepping):
+            self.model.prepare_static_steps()
 
     def start(self, context: DraftContext) -> HybridSession:
         return HybridSession(self.lookup.start(context), self.model.start(context), self.model.block_size)

@@ -8,6 +8,10 @@ Every phase is a plain synchronous function run inside a compute worker:
     settle    verify.accept(...)                    -> a kept, next token n;
               cache.rollback(keeps x, d_1 .. d_a);  session.observe(a, n, features)
 
+With a ``StepPool`` the request borrows a static slot for its lifetime (if one is free and it
+fits): the prefill runs eagerly into the slot's cache, every verify forward as the slot's static
+step (a CUDA graph on CUDA), see ``runtime.graphs``.
+
 The engines only decide what runs when (and what runs at the same time). Each phase runs
 through :meth:`Request.use`, so a close from the event loop never frees state a worker is using:
 it takes effect at once when no phase runs, else when the running ones end.
@@ -26,6 +30,7 @@ import torch
 
 from dflash2.config import GenerationConfig, SamplingConfig
 from dflash2.drafters.base import Draft, DraftContext, Drafter, DraftSession, Outcome
+from dflash2.runtime.graphs import Slot, StepPool
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.model import Decoder
 from dflash2.runtime.workers import Timed, Worker
@@ -54,6 +59,7 @@ class Request:
         config: GenerationConfig,
         sampling: SamplingConfig,
         drafter: Drafter | None,
+        steps: StepPool[Slot] | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -66,6 +72,8 @@ class Request:
         self.capacity = len(prompt_ids) + config.max_new_tokens + block
         self.capture = tuple(drafter.capture_layers) if drafter is not None else ()
         self.cache: KVCache | None = None
+        self._steps = steps
+        self.slot: Slot | None = None  # borrowed from ``steps`` from the prefill until closed
         self.session: DraftSession | None = None
         self.last = -1  # the last emitted token, not yet in the target's cache
         self.verified = 0  # tokens in the target's cache that stay there
@@ -109,12 +117,18 @@ class Request:
 
     def _free(self) -> None:
         session, self.session, self.cache = self.session, None, None
-        if session is not None:
-            session.close()
+        slot, self.slot = self.slot, None
+        try:
+            if session is not None:
+                session.close()
+        finally:
+            if slot is not None and self._steps is not None:
+                self._steps.release(slot)
 
     def prefill(self) -> list[int]:
         self.started = True
-        self.cache = self.target.new_cache(self.capacity)
+        self.slot = self._steps.acquire(self.capacity) if self._steps is not None else None
+        self.cache = self.slot.cache if self.slot is not None else self.target.new_cache(self.capacity)
         ids = torch.tensor([self.prompt], device=self.target.device)
         out = self.target(ids, self.cache, logits="last", capture=self.capture)
         assert out.logits is not None
@@ -148,10 +162,14 @@ class Request:
         assert self.cache is not None
         start = time.perf_counter()
         block = torch.cat([torch.tensor([self.last], device=self.target.device), draft.tokens.to(self.target.device)])
-        out = self.target(block[None], self.cache, logits="all", capture=self.capture)
-        assert out.logits is not None
+        if self.slot is not None:
+            verified = Verified(*self.slot.forward(block, self.capture))
+        else:
+            out = self.target(block[None], self.cache, logits="all", capture=self.capture)
+            assert out.logits is not None
+            verified = Verified(out.logits[0], out.hidden[0] if out.hidden is not None else None)
         self.counters.verify_s += time.perf_counter() - start
-        return Verified(out.logits[0], out.hidden[0] if out.hidden is not None else None)
+        return verified
 
     def settle(self, draft: Draft, verified: Verified) -> tuple[list[int], Outcome]:
         """Accept, roll the cache back to what stays, tell the drafter; return the new tokens."""
@@ -165,6 +183,8 @@ class Request:
         self.verified += accepted + 1
         self.cache.rollback(self.verified)
         kept = verified.hidden[: accepted + 1] if verified.hidden is not None else None
+        if kept is not None and self.slot is not None:  # the slot's next step overwrites its outputs
+            kept = kept.clone()
         outcome = Outcome(accepted, token, tuple(emitted[:-1]), kept)
         if self.session is not None:
             self.session.observe(outcome)

@@ -25,10 +25,13 @@ class KVCache:
         batch: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        zeroed: bool = False,
     ) -> None:
         shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # a static step attends over the whole buffer, masked: 0 x NaN garbage would still be NaN
+        new = torch.zeros if zeroed else torch.empty
+        self.k = new(shape, dtype=dtype, device=device)
+        self.v = new(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0
 
@@ -39,8 +42,20 @@ class KVCache:
                 f"{new_tokens} more do not fit. Lower max_new_tokens or shorten the prompt."
             )
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store a block's keys/values of one layer; return all valid keys/values incl. the block."""
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a block's keys/values [B, KV, T, D] of one layer and return the keys/values to attend over.
+
+        Without ``positions`` the block goes at ``length`` and the valid keys (block included) come
+        back. With ``positions`` [T] (a device tensor: static steps, see ``runtime.graphs``) the block
+        goes there and the whole buffer comes back: no shape depends on the length, and the
+        caller's mask hides what is not valid.
+        """
+        if positions is not None:
+            self.k[layer].index_copy_(2, positions, k)
+            self.v[layer].index_copy_(2, positions, v)
+            return self.k[layer], self.v[layer]
         end = self.length + k.shape[2]
         self.k[layer, :, :, self.length : end] = k
         self.v[layer, :, :, self.length : end] = v

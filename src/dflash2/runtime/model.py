@@ -73,7 +73,11 @@ class RotaryTable(nn.Module):
         return self.cos[start : start + new], self.signed_sin[start : start + new]
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables [N, 1, head_dim] for arbitrary ``positions`` [N] (training several blocks at once)."""
+        """Tables [N, 1, head_dim] for arbitrary ``positions`` [N] (several blocks at once, static steps).
+
+        Positions past the table get its last row: only a static step's padding goes there.
+        """
+        positions = positions.clamp_max(self.cos.shape[0] - 1)
         return self.cos[positions], self.signed_sin[positions]
 
 
@@ -111,6 +115,7 @@ class Attention(nn.Module):
         cache: KVCache,
         layer: int,
         mask: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
         h, kvh = self.num_heads, self.num_kv_heads
@@ -121,7 +126,7 @@ class Attention(nn.Module):
             qk = torch.cat((rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)), dim=2)
         qk = apply_rope(qk, *rope)  # q and k rotated in one go
         q, k = qk[:, :, :h], qk[:, :, h:]
-        keys, values = cache.write(layer, k.transpose(1, 2), v.transpose(1, 2))
+        keys, values = cache.write(layer, k.transpose(1, 2), v.transpose(1, 2), positions)
         return self.o(attend(q, keys, values, mask))
 
 
@@ -154,8 +159,9 @@ class DecoderLayer(nn.Module):
         cache: KVCache,
         layer: int,
         mask: torch.Tensor | None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), rope, cache, layer, mask)
+        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), rope, cache, layer, mask, positions)
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps))
 
 
@@ -190,11 +196,12 @@ class Decoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.dtype
 
-    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+    def new_cache(self, capacity: int, batch: int = 1, zeroed: bool = False) -> KVCache:
         s = self.spec
         return KVCache(
-            s.num_layers, s.num_kv_heads, s.head_dim, capacity, batch=batch, dtype=self.dtype, device=self.device
-        )
+            s.num_layers, s.num_kv_heads, s.head_dim, capacity,
+            batch=batch, dtype=self.dtype, device=self.device, zeroed=zeroed,
+        )  # fmt: skip
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -214,6 +221,7 @@ class Decoder(nn.Module):
         logits: str = "all",
         capture: Sequence[int] = (),
         visible: torch.Tensor | None = None,
+        start: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run T new tokens [B, T] after the ``cache.length`` cached ones and advance the cache.
 
@@ -223,24 +231,38 @@ class Decoder(nn.Module):
         layer's comes after the final norm, as there).
         ``visible``: [B, cache.length + T] bool, False at padding (batched generation of prompts
         of different lengths, left-padded); a padding token still sees itself.
+        ``start``: the static step (see ``runtime.graphs``): a 0-dim device tensor holding the
+        cache length. The tokens go at ``start ..``, attention covers the whole cache under a
+        mask, and nothing on the host is read or changed (``cache.length`` is the caller's), so
+        the same kernels serve every length and a CUDA graph can replay them.
         """
-        start, new = cache.length, input_ids.shape[1]
-        cache.check_room(new)
+        new = input_ids.shape[1]
         x = self.embed(input_ids)
-        rope = self.rope(start, new)
-        mask = block_causal_mask(start, new, x.device)
-        if visible is not None:
-            keys = torch.arange(start + new, device=x.device)
-            itself = keys[None, :] == torch.arange(start, start + new, device=x.device)[:, None]
-            causal = mask if mask is not None else torch.ones_like(itself)
-            mask = (causal & visible[:, None, None, :]) | itself
+        positions: torch.Tensor | None = None
+        if start is not None:
+            if visible is not None:
+                raise ValueError("a static step takes no padding mask")
+            positions = start + torch.arange(new, device=x.device)
+            rope = self.rope.at(positions)
+            mask: torch.Tensor | None = torch.arange(cache.capacity, device=x.device)[None, :] <= positions[:, None]
+        else:
+            begin = cache.length
+            cache.check_room(new)
+            rope = self.rope(begin, new)
+            mask = block_causal_mask(begin, new, x.device)
+            if visible is not None:
+                keys = torch.arange(begin + new, device=x.device)
+                itself = keys[None, :] == torch.arange(begin, begin + new, device=x.device)[:, None]
+                causal = mask if mask is not None else torch.ones_like(itself)
+                mask = (causal & visible[:, None, None, :]) | itself
         wanted = set(capture)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, cache, i, mask)
+            x = layer(x, rope, cache, i, mask, positions)
             if i in wanted:
                 captured[i] = x
-        cache.advance(new)
+        if start is None:
+            cache.advance(new)
         last = len(self.layers) - 1
         normed = self.final_norm(x) if logits == "all" or last in wanted else None
         if normed is not None and last in wanted:

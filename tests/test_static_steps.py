@@ -1,0 +1,234 @@
+"""Static steps (``graphs="static"``): the code CUDA graphs replay, run eagerly on the CPU.
+
+The same outputs as eager decoding for every drafter and pipeline, greedy and seeded sampling;
+fixed buffers reused across steps and requests; slots borrowed and given back; requests that do
+not fit a slot run eagerly. The CUDA graph tests themselves are in ``test_cuda_graphs.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from test_speculative import DRAFTERS, drafter_arg
+from tiny import SPEC_PROMPTS
+
+import dflash2
+from dflash2 import GraphConfig, InvalidOptionError
+from dflash2.drafters import Draft
+from dflash2.engine import OverlapPolicy
+from dflash2.runtime.graphs import MAX_BUCKET, StaticStep, bucket, buckets_up_to
+
+PROMPTS = SPEC_PROMPTS
+
+
+def static(path: Path, drafter: Any = None, **graphs: Any) -> dflash2.Model:
+    return dflash2.load(path, drafter=drafter, graphs=GraphConfig(mode="static", **graphs))
+
+
+@pytest.mark.parametrize("schedule", ["sync", "async", "overlap"])
+@pytest.mark.parametrize("name", DRAFTERS + ["plain"])
+def test_greedy_output_equals_transformers_for_every_drafter(
+    name: str, schedule: str, paths: dict[str, Path], references: dict[str, list[int]]
+) -> None:
+    model = static(paths["target"], drafter_arg(name, paths) if name != "plain" else None)
+    if schedule == "overlap":
+        model.policy = OverlapPolicy(schedule="overlap")
+    for prompt in PROMPTS:
+        completion = model.generate(prompt, max_new_tokens=48, pipeline="sync" if schedule == "sync" else "async")
+        assert list(completion.token_ids) == references[prompt]
+    assert model.steps is not None and model.steps.free == len(model.steps.slots)  # every slot given back
+
+
+def recorded_drafts(model: dflash2.Model, prompt: str, **options: Any) -> tuple[list[list[int]], tuple[int, ...]]:
+    """Every draft proposed while generating, and the acceptance lengths."""
+    drafts: list[list[int]] = []
+    drafter = model.drafter
+    assert drafter is not None
+    start = drafter.start
+
+    def recording_start(context: Any) -> Any:
+        session = start(context)
+        propose = session.propose
+
+        def recording_propose(max_tokens: int) -> Draft:
+            draft = propose(max_tokens)
+            drafts.append([int(t) for t in draft.tokens])
+            return draft
+
+        session.propose = recording_propose
+        return session
+
+    drafter.start = recording_start  # type: ignore[method-assign]
+    try:
+        completion = model.generate(prompt, max_new_tokens=40, pipeline="sync", **options)
+    finally:
+        del drafter.start
+    return drafts, completion.stats.acceptance_lengths
+
+
+@pytest.mark.parametrize("name", ["self", "dflash1", "dflash2"])
+def test_the_drafter_drafts_what_it_drafts_eagerly(name: str, paths: dict[str, Path]) -> None:
+    """Random drafters are rarely accepted, so the output alone would not show a wrong draft."""
+    path = drafter_arg(name, paths)
+    eager = dflash2.load(paths["target"], drafter=path, graphs="off")
+    stepped = static(paths["target"], path)
+    for prompt in PROMPTS:
+        assert recorded_drafts(stepped, prompt) == recorded_drafts(eager, prompt)
+    assert stepped.drafter is not None and stepped.drafter.steps.free == len(stepped.drafter.steps.slots)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+@pytest.mark.parametrize("name", ["plain", "ngram", "self", "dflash2", "hybrid-dflash2"])
+def test_seeded_sampling_equals_eager(name: str, pipeline: str, paths: dict[str, Path]) -> None:
+    drafter = drafter_arg(name, paths) if name != "plain" else None
+    eager = dflash2.load(paths["target"], drafter=drafter, graphs="off")
+    stepped = static(paths["target"], drafter)
+    for seed, prompt in enumerate(PROMPTS):
+        options: Any = {"max_new_tokens": 40, "temperature": 0.8, "top_p": 0.95, "seed": seed, "pipeline": pipeline}
+        assert stepped.generate(prompt, **options).token_ids == eager.generate(prompt, **options).token_ids
+
+
+def buffer_pointers(model: dflash2.Model) -> dict[str, int]:
+    """Addresses of every static buffer: slot caches, step inputs and outputs, of target and drafter."""
+    pointers: dict[str, int] = {}
+    assert model.steps is not None and model.drafter is not None
+    pools: dict[str, Any] = {"target": model.steps, "drafter": model.drafter.steps}  # type: ignore[attr-defined]
+    for who, pool in pools.items():
+        for i, slot in enumerate(pool.slots):
+            pointers[f"{who}{i}.k"] = slot.cache.k.data_ptr()
+            pointers[f"{who}{i}.v"] = slot.cache.v.data_ptr()
+            for key, (inputs, step) in slot.steps.items():
+                pointers[f"{who}{i}.{key}.in"] = inputs.data_ptr()
+                for j, out in enumerate(step.outputs or ()):
+                    if out is not None:
+                        pointers[f"{who}{i}.{key}.out{j}"] = out.data_ptr()
+    return pointers
+
+
+def test_buffers_are_reused_across_steps_and_requests(paths: dict[str, Path], references: dict[str, list[int]]) -> None:
+    model = static(paths["target"], paths["dflash2"], slots=1)
+    model.generate(PROMPTS[0], max_new_tokens=48)
+    first = buffer_pointers(model)
+    assert any(".out" in key for key in first)  # the steps ran and kept their outputs
+    for prompt in PROMPTS * 2:
+        assert list(model.generate(prompt, max_new_tokens=48).token_ids) == references[prompt]
+        after = buffer_pointers(model)
+        assert {k: after[k] for k in first} == first  # the same buffers, whichever request
+    assert len(after) - len(first) <= 4 * len(buckets_up_to(MAX_BUCKET))  # only sizes not seen yet were added
+
+
+def test_static_step_outputs_stay_in_one_buffer() -> None:
+    source = torch.zeros(3)
+    step = StaticStep(lambda: (source * 2, None), "static")
+    first = step.run()[0]
+    source.fill_(1)
+    second = step.run()[0]
+    assert first is second and second is not None and second.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_buckets() -> None:
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33, 64)] == [1, 2, 4, 4, 8, 8, 16, 64, 64]
+    assert buckets_up_to(6) == (1, 2, 4, 8)
+    with pytest.raises(ValueError):
+        bucket(MAX_BUCKET + 1)
+
+
+@pytest.mark.anyio
+async def test_more_streams_than_slots_run_eagerly(paths: dict[str, Path], references: dict[str, list[int]]) -> None:
+    model = static(paths["target"], paths["target"], slots=1)
+    results: dict[str, list[int]] = {}
+
+    async def run(prompt: str) -> None:
+        results[prompt] = list((await model.agenerate(prompt, max_new_tokens=48)).token_ids)
+
+    async with anyio.create_task_group() as tg:
+        for prompt in PROMPTS:
+            tg.start_soon(run, prompt)
+    assert results == {p: references[p] for p in PROMPTS}
+    assert model.steps is not None and model.steps.free == 1
+
+
+def test_a_request_longer_than_a_slot_runs_eagerly(paths: dict[str, Path], references: dict[str, list[int]]) -> None:
+    model = static(paths["target"], "ngram", context=40)
+    assert model.steps is not None
+    acquire = model.steps.acquire
+    granted: list[bool] = []
+    model.steps.acquire = lambda tokens: granted.append(tokens <= 40) or acquire(tokens)  # type: ignore[method-assign]
+    assert list(model.generate(PROMPTS[0], max_new_tokens=48).token_ids) == references[PROMPTS[0]]
+    assert list(model.generate(PROMPTS[0], max_new_tokens=8).token_ids) == references[PROMPTS[0]][:8]
+    assert granted == [False, True]
+
+
+def test_a_cancelled_stream_gives_its_slots_back(paths: dict[str, Path], references: dict[str, list[int]]) -> None:
+    model = static(paths["target"], paths["dflash2"], slots=1)
+
+    async def read_three() -> None:
+        async with model.stream(PROMPTS[1], max_new_tokens=48) as stream:
+            read = 0
+            async for _ in stream:
+                read += 1
+                if read == 3:
+                    break
+
+    async def cancelled() -> None:
+        with anyio.move_on_after(0.0):
+            await model.agenerate(PROMPTS[1], max_new_tokens=48)
+
+    for job in (read_three, cancelled):
+        anyio.run(job)
+        assert model.steps is not None and model.steps.free == 1
+        assert model.drafter is not None and model.drafter.steps.free == 1  # type: ignore[attr-defined]
+    assert list(model.generate(PROMPTS[1], max_new_tokens=48).token_ids) == references[PROMPTS[1]]
+
+
+def test_warmup_builds_every_step_the_drafter_needs(paths: dict[str, Path], references: dict[str, list[int]]) -> None:
+    model = static(paths["target"], paths["dflash2"], slots=2)
+    model.warmup()
+    assert model.steps is not None and model.drafter is not None
+    sizes = buckets_up_to(model.drafter.block_size)
+    capture = tuple(model.drafter.capture_layers)
+    for slot in model.steps.slots:
+        assert {(size, capture) for size in sizes} <= set(slot.steps)
+    for slot in model.drafter.steps.slots:  # type: ignore[attr-defined]
+        assert set(sizes) <= set(slot.steps)
+    assert model.steps.free == 2
+    assert list(model.generate(PROMPTS[2], max_new_tokens=48).token_ids) == references[PROMPTS[2]]
+
+
+@pytest.mark.parametrize(("graphs", "hint"), [("graph", "graphs must be one of"), (True, "graphs must be one of")])
+def test_bad_graph_options(graphs: Any, hint: str, paths: dict[str, Path]) -> None:
+    with pytest.raises(InvalidOptionError, match=hint):
+        dflash2.load(paths["target"], graphs=graphs, device="cpu")
+    with pytest.raises(InvalidOptionError, match="slots"):
+        GraphConfig(mode="static", slots=0)
+    with pytest.raises(InvalidOptionError, match="context"):
+        GraphConfig(mode="static", context=1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_graphs_without_cuda_is_a_clear_error(paths: dict[str, Path]) -> None:
+    with pytest.raises(InvalidOptionError, match="needs a CUDA device"):
+        dflash2.load(paths["target"], graphs="cuda")
+
+
+@pytest.fixture
+def no_graph_capture(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """On the CPU nothing may try to capture a CUDA graph."""
+
+    def refuse(self: StaticStep) -> None:
+        raise AssertionError("a CUDA graph capture on the CPU")
+
+    monkeypatch.setattr(StaticStep, "capture", refuse)
+    yield
+
+
+def test_eager_cpu_default_has_no_static_steps(paths: dict[str, Path], no_graph_capture: None) -> None:
+    model = dflash2.load(paths["target"], drafter=paths["dflash2"], device="cpu")
+    assert model.graph_mode == "off" and model.steps is None
+    model.warmup()
+    assert model.generate(PROMPTS[0], max_new_tokens=8).token_ids
