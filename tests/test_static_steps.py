@@ -31,7 +31,7 @@ def static(path: Path, drafter: Any = None, **graphs: Any) -> dflash2.Model:
 
 
 @pytest.mark.parametrize("schedule", ["sync", "async", "overlap"])
-@pytest.mark.parametrize("name", DRAFTERS + ["plain"])
+@pytest.mark.parametrize("name", [*DRAFTERS, "plain"])
 def test_greedy_output_equals_transformers_for_every_drafter(
     name: str, schedule: str, paths: dict[str, Path], references: dict[str, list[int]]
 ) -> None:
