@@ -88,9 +88,12 @@ def test_seeded_sampling_equals_eager(name: str, pipeline: str, paths: dict[str,
     drafter = drafter_arg(name, paths) if name != "plain" else None
     eager = dflash2.load(paths["target"], drafter=drafter, graphs="off")
     stepped = static(paths["target"], drafter)
+    # a seeded async stream keeps one schedule; the resident pipeline's is the sync loop's
+    schedule = "sync" if stepped._resident() else pipeline
     for seed, prompt in enumerate(PROMPTS):
-        options: Any = {"max_new_tokens": 40, "temperature": 0.8, "top_p": 0.95, "seed": seed, "pipeline": pipeline}
-        assert stepped.generate(prompt, **options).token_ids == eager.generate(prompt, **options).token_ids
+        options: Any = {"max_new_tokens": 40, "temperature": 0.8, "top_p": 0.95, "seed": seed}
+        expected = eager.generate(prompt, **options, pipeline=schedule).token_ids  # type: ignore[arg-type]
+        assert stepped.generate(prompt, **options, pipeline=pipeline).token_ids == expected  # type: ignore[arg-type]
 
 
 def buffer_pointers(model: dflash2.Model) -> dict[str, int]:
@@ -232,3 +235,161 @@ def test_eager_cpu_default_has_no_static_steps(paths: dict[str, Path], no_graph_
     assert model.graph_mode == "off" and model.steps is None
     model.warmup()
     assert model.generate(PROMPTS[0], max_new_tokens=8).token_ids
+
+
+# ---------------------------------------------------------------- the resident pipeline
+
+
+class ResidentScripted:
+    """A drafter whose sessions stay resident: the true continuation, corrupted so that step i keeps
+    exactly ``script[i]`` drafts. It reads how far the text got from the resident step's ``kept``
+    (a host read a real resident drafter never makes; fine on the CPU, and only in this test)."""
+
+    capture_layers = (0,)  # the features tell ``resume`` how many tokens the last step kept
+
+    def __init__(self, truth: list[int], script: list[int], block_size: int = 6) -> None:
+        self.truth, self.script, self.block_size, self.name = truth, script, block_size, "resident-scripted"
+        self.sessions: list[ResidentScriptedSession] = []
+
+    def use_static_steps(self, mode: str, context: int, slots: int) -> None:
+        pass
+
+    def prepare_static_steps(self) -> None:
+        pass
+
+    def resident_sessions(self) -> bool:
+        return True
+
+    def start(self, context: Any) -> ResidentScriptedSession:
+        self.sessions.append(ResidentScriptedSession(self))
+        return self.sessions[-1]
+
+
+class ResidentScriptedSession:
+    def __init__(self, drafter: ResidentScripted) -> None:
+        self.d = drafter
+        self.position = 1  # the prefill produced truth[0]
+        self.step = 0
+        self.resident_drafts = 0
+
+    def propose(self, max_tokens: int) -> Draft:
+        k = min(self.d.block_size - 1, max_tokens)
+        keep = self.d.script[self.step % len(self.d.script)]
+        self.step += 1
+        tokens = list(self.d.truth[self.position : self.position + k])
+        if keep < len(tokens):
+            tokens[keep] = (tokens[keep] + 1) % 256
+        return Draft(torch.tensor(tokens, dtype=torch.long))
+
+    def observe(self, outcome: Any) -> None:
+        self.position += outcome.accepted + 1
+
+    def can_stay_resident(self) -> bool:
+        return True
+
+    def propose_resident(self, last: torch.Tensor, features: torch.Tensor | None, kept: torch.Tensor) -> Draft:
+        assert features is not None and last.dim() == 0 and kept.dim() == 0
+        self.position += int(kept)
+        assert int(last) == self.d.truth[self.position - 1]  # the step's input is the last verified token
+        self.resident_drafts += 1
+        return self.propose(self.d.block_size - 1)
+
+    def resume(self, last: int, features: torch.Tensor | None) -> None:
+        assert features is not None
+        self.position += features.shape[0]
+        assert last == self.d.truth[self.position - 1]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def resident_model(paths: dict[str, Path], drafter: Any) -> dflash2.Model:
+    model = static(paths["target"], drafter)
+    assert model._resident()
+    return model
+
+
+def test_resident_steps_follow_scripted_acceptance(paths: dict[str, Path], references: dict[str, list[int]]) -> None:
+    truth = references[PROMPTS[0]]
+    script = [3, 0, 5, 2, 1, 4, 5, 5]
+    drafter = ResidentScripted(truth, script)
+    model = resident_model(paths, drafter)
+    completion = model.generate(PROMPTS[0], max_new_tokens=48)
+    assert list(completion.token_ids) == truth
+    lengths = completion.stats.acceptance_lengths
+    assert lengths[: len(script)] == tuple(a + 1 for a in script)
+    session = drafter.sessions[-1]
+    assert session.resident_drafts >= len(script) and session.closed
+    assert sum(lengths) == 47  # 1 token from the prefill
+
+
+def test_the_host_reads_one_step_behind(paths: dict[str, Path], references: dict[str, list[int]]) -> None:
+    from dflash2.engine import ResidentPipeline
+
+    events: list[str] = []
+    launch, read = ResidentPipeline._launch, ResidentPipeline._read
+
+    def logged_launch(self: ResidentPipeline) -> Any:
+        events.append("L")
+        return launch(self)
+
+    def logged_read(self: ResidentPipeline, launched: Any) -> list[int]:
+        events.append("R")
+        return read(self, launched)
+
+    model = resident_model(paths, None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ResidentPipeline, "_launch", logged_launch)
+        patch.setattr(ResidentPipeline, "_read", logged_read)
+        completion = model.generate(PROMPTS[1], max_new_tokens=20)
+    assert list(completion.token_ids) == references[PROMPTS[1]][:20]
+    # plain decoding, one token a step: each step is launched before the one ahead of it is read;
+    # no step is launched that could pass max_new_tokens (19 steps after the prefill's token)
+    assert "".join(events) == "LLR" + "LR" * 17 + "R"
+    assert completion.stats.steps == 19
+
+
+@pytest.mark.parametrize("n", [2, 7, 9, 13, 20])
+def test_resident_max_new_tokens_inside_an_accepted_block(
+    n: int, paths: dict[str, Path], references: dict[str, list[int]]
+) -> None:
+    truth = references[PROMPTS[0]]
+    model = resident_model(paths, ResidentScripted(truth, [5]))
+    completion = model.generate(PROMPTS[0], max_new_tokens=n)
+    assert list(completion.token_ids) == truth[:n]
+    assert completion.finish_reason == "length"
+
+
+def test_resident_eos_and_stop_inside_an_accepted_block(paths: dict[str, Path], references: dict[str, list[int]]) -> None:
+    truth = references[PROMPTS[0]]
+    model = resident_model(paths, ResidentScripted(truth, [5]))
+    model.eos_token_ids = frozenset({truth[14]})  # inside the third block, with a step in flight
+    completion = model.generate(PROMPTS[0], max_new_tokens=40)
+    assert completion.finish_reason == "stop"
+    assert list(completion.token_ids) == truth[: truth.index(truth[14]) + 1]
+    model.eos_token_ids = frozenset()
+    free = model.generate(PROMPTS[0], max_new_tokens=40)
+    stop = free.text[20:22]
+    stopped = model.generate(PROMPTS[0], max_new_tokens=40, stop=[stop])
+    assert stopped.text == free.text[: free.text.index(stop)] and stopped.finish_reason == "stop"
+    assert model.steps is not None and model.steps.free == len(model.steps.slots)
+
+
+@pytest.mark.parametrize("name", ["plain", "dflash1", "dflash2"])
+def test_resident_runs_where_it_can(name: str, paths: dict[str, Path], references: dict[str, list[int]]) -> None:
+    drafter = None if name == "plain" else paths[name]
+    model = resident_model(paths, drafter)
+    launched: list[int] = []
+    from dflash2.engine import ResidentPipeline
+
+    launch = ResidentPipeline._launch
+
+    def counted(self: ResidentPipeline) -> Any:
+        launched.append(1)
+        return launch(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ResidentPipeline, "_launch", counted)
+        completion = model.generate(PROMPTS[2], max_new_tokens=48)
+    assert list(completion.token_ids) == references[PROMPTS[2]]
+    assert len(launched) >= completion.stats.steps - 8  # every step but the tail's

@@ -26,7 +26,7 @@ from dflash2.config import (
 )
 from dflash2.drafters import Drafter, load_drafter
 from dflash2.drafters.base import StaticStepping, drafter_context
-from dflash2.engine import AsyncPipeline, OverlapPolicy, Request, SyncPipeline
+from dflash2.engine import AsyncPipeline, OverlapPolicy, Request, ResidentPipeline, SyncPipeline
 from dflash2.errors import ContextLengthError, InvalidOptionError, StreamStateError
 from dflash2.runtime.device import resolve_device, resolve_dtype
 from dflash2.runtime.graphs import MAX_BUCKET, Slot, StepPool, buckets_up_to
@@ -152,9 +152,17 @@ class Model:
         source: TokenSource
         if config.pipeline == "sync":
             source = SyncPipeline(request, self.workers.verify)
+        elif self._resident():
+            source = ResidentPipeline(request, self.workers.verify)
         else:
             source = AsyncPipeline(request, self.workers, self.policy)
         return TokenStream(source, self.tokenizer, len(prompt_ids), config, self.eos_token_ids)
+
+    def _resident(self) -> bool:
+        """Whether async streams run the resident pipeline: static steps, and a drafter that can stay on the device."""
+        if self.steps is None:
+            return False
+        return self.drafter is None or (isinstance(self.drafter, StaticStepping) and self.drafter.resident_sessions())
 
     def _with_stop_tokens(self, config: GenerationConfig) -> GenerationConfig:
         """Check ``stop_token_ids`` against the vocabulary; add the ids of stop strings that are special tokens."""
@@ -197,8 +205,7 @@ def _run_to_the_end(request: Request) -> None:
     try:
         request.prefill()
         while request.room >= 0:
-            draft = request.propose()
-            request.settle(draft, request.verify(draft))
+            request.step()
     finally:
         request.close()
 

@@ -15,6 +15,11 @@ from dflash2.config import SamplingConfig
 from dflash2.sampling import probabilities, sample
 
 
+def pick(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``rows[index]`` for a 0-dim device ``index``, without the host read that ``rows[index]`` does."""
+    return rows.index_select(0, index.view(1))[0]
+
+
 def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Longest prefix where the draft equals the target argmax; then the argmax after it.
 
@@ -22,7 +27,7 @@ def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[tor
     """
     choice = target_logits.argmax(-1)
     accepted = (draft == choice[: draft.shape[0]]).long().cumprod(0).sum()
-    return accepted, choice[accepted]
+    return accepted, pick(choice, accepted)
 
 
 def speculative_sample(
@@ -53,12 +58,12 @@ def speculative_sample(
         kept = kept / draft_probs[rows, draft].clamp_min(tiny)
     uniform = torch.rand(k, generator=generator, device=target_probs.device)
     accepted = (uniform < kept).long().cumprod(0).sum()
-    p = target_probs[accepted]  # the position of the first rejection, or the bonus row k
+    p = pick(target_probs, accepted)  # the position of the first rejection, or the bonus row k
     if draft_probs is not None:
-        q = torch.cat([draft_probs, draft_probs.new_zeros(1, vocab)])[accepted]
+        q = pick(torch.cat([draft_probs, draft_probs.new_zeros(1, vocab)]), accepted)
     else:  # one_hot(d_accepted), or nothing after a full accept
         rejected = (accepted < k).to(p.dtype).view(1)
-        q = p.new_zeros(vocab).scatter_(0, torch.cat([draft, draft.new_zeros(1)])[accepted].view(1), rejected)
+        q = p.new_zeros(vocab).scatter_(0, pick(torch.cat([draft, draft.new_zeros(1)]), accepted).view(1), rejected)
     residual = (p - q).clamp_min(0.0)  # unnormalized: sampling normalizes
     residual = torch.where(residual.sum() > 0, residual, p)
     return accepted, sample(residual, generator)

@@ -48,6 +48,9 @@ class AutoregressiveDrafter:
         if self.steps is not None:
             self.steps.prepare((1,))  # drafting is one token at a time; catching up uses other sizes
 
+    def resident_sessions(self) -> bool:
+        return False  # which cached tokens a draft reuses is decided on the host
+
     def start(self, context: DraftContext) -> AutoregressiveSession:
         return AutoregressiveSession(self, context)
 

@@ -143,3 +143,32 @@ class StaticStepping(Protocol):
     def prepare_static_steps(self) -> None:
         """Build (capture) the static steps sessions will use."""
         ...
+
+    def resident_sessions(self) -> bool:
+        """Whether its sessions implement :class:`ResidentDrafting` (drafting with no host round trip)."""
+        ...
+
+
+@runtime_checkable
+class ResidentDrafting(Protocol):
+    """Sessions that can draft with no round trip through the host (static steps on the device).
+
+    The resident pipeline starts a run of such steps with :meth:`DraftSession.propose`, drafts each
+    later block with :meth:`propose_resident` from the device state of the last verification,
+    never calling ``observe``, and ends the run with :meth:`resume`.
+    """
+
+    def can_stay_resident(self) -> bool:
+        """Whether :meth:`propose_resident` can run now (the session holds a static slot)."""
+        ...
+
+    def propose_resident(self, last: torch.Tensor, features: torch.Tensor | None, kept: torch.Tensor) -> Draft:
+        """``block_size - 1`` tokens after ``last`` (a device scalar), given the target ``features``
+        [T, F] of the last verified block, of which the first ``kept`` (a device scalar) stay.
+        Nothing is read back to the host."""
+        ...
+
+    def resume(self, last: int, features: torch.Tensor | None) -> None:
+        """Host-driven again: ``last`` is the last verified token, ``features`` those of the tokens
+        verified since the last draft."""
+        ...

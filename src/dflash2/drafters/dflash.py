@@ -545,6 +545,9 @@ class DFlashDrafter:
         if self.steps is not None:  # a step's new context is one verified block: its bonus and accepted drafts
             self.steps.prepare(buckets_up_to(self.block_size))
 
+    def resident_sessions(self) -> bool:
+        return True
+
     def start(self, context: DraftContext) -> DFlashSession:
         return DFlashSession(self, context)
 
@@ -566,6 +569,7 @@ class DFlashSlot:
         self.ids = torch.full((1, drafter.block_size), model.spec.mask_token_id, device=model.device)
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.steps: dict[int, tuple[torch.Tensor, StaticStep]] = {}
+        self.resident = False  # the context length lives in ``start`` only (resident drafting)
 
     def step(self, size: int) -> tuple[torch.Tensor, StaticStep]:
         """The feature buffer [1, size, F] and the step drafting after ``size`` new context rows."""
@@ -582,23 +586,46 @@ class DFlashSlot:
             self.steps[size] = (features, StaticStep(forward, self.mode, self.pool))
         return self.steps[size]
 
-    def draft_states(self, last: int, features: torch.Tensor) -> torch.Tensor:
-        """Draft states [1, B-1, D] of the masks after ``last``, given the new context ``features`` [C, F].
+    def draft_states(
+        self, last: int | torch.Tensor, features: torch.Tensor, count: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Draft states [1, B-1, D] of the masks after ``last``, given new context ``features`` [C, F].
 
-        The context advances by C; the states are valid until the slot's next step.
+        Host-driven (``count=None``): every row stays and ``cache.length`` advances by C.
+        Resident (``count``, a device scalar): the first ``count`` rows stay and the length moves
+        on the device only (:meth:`leave_resident` brings it back). The states are valid until
+        the slot's next step.
         """
         rows = features.shape[0]
         size = bucket(max(rows, 1))
-        self.cache.check_room(rows + self._d.block_size + size)
         buffer, step = self.step(size)
         buffer[0, :rows].copy_(features)
-        self.ids[0, 0].fill_(last)
-        self.start.fill_(self.cache.length)
-        self.count.fill_(rows)
+        if isinstance(last, int):
+            self.ids[0, 0].fill_(last)
+        else:
+            self.ids[0, 0].copy_(last)
+        if count is None:
+            self.cache.check_room(rows + self._d.block_size + size)
+            self.start.fill_(self.cache.length)
+            self.count.fill_(rows)
+        else:
+            if not self.resident:
+                self.start.fill_(self.cache.length)
+                self.resident = True
+            self.count.copy_(count)
         (states,) = step.run()
-        self.cache.advance(rows)
+        if count is None:
+            self.cache.advance(rows)
+        else:
+            self.start.add_(self.count)
         assert states is not None
         return states
+
+    def leave_resident(self) -> None:
+        """Bring the context length back from the device (one read) after resident drafts."""
+        if self.resident:
+            self.cache.length = int(self.start)
+            self.resident = False
 
     def prepare(self, size: int, capture: Sequence[int] = ()) -> None:
         _, step = self.step(size)
@@ -648,14 +675,14 @@ class DFlashSession:
         return model(embeds, model.project_context(features[None]), self._cache)[:, len(clean) :]
 
     def _pick(
-        self, hidden: torch.Tensor, anchor: int, sampling: SamplingConfig
+        self, hidden: torch.Tensor, anchor: int | torch.Tensor, sampling: SamplingConfig
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Tokens [T] (and their distributions [T, vocab] when sampling) for draft states [1, T, D]."""
         model, vocab = self._model, self._d.vocab
         logits = model.logits(hidden, self._d.head)
         probs: torch.Tensor | None
         if model.candidate_selector is not None:
-            anchors = torch.tensor([anchor], device=model.device)
+            anchors = torch.as_tensor(anchor, device=hidden.device).view(1)
             picked, dense = model.candidate_selector.select(hidden, logits, anchors, sampling, self._generator, vocab)
             tokens, probs = picked[0], dense[0] if dense is not None else None
         elif sampling.greedy:
@@ -680,6 +707,22 @@ class DFlashSession:
 
     def can_predraft(self) -> bool:
         return bool(self._proposal)
+
+    def can_stay_resident(self) -> bool:
+        return self._slot is not None
+
+    def propose_resident(self, last: torch.Tensor, features: torch.Tensor | None, kept: torch.Tensor) -> Draft:
+        if self._slot is None or features is None:
+            raise DrafterError("resident drafting needs a static slot and the verified block's features.")
+        tokens, probs = self._pick(self._slot.draft_states(last, features, kept), last, self._sampling)
+        return Draft(tokens, probs)
+
+    def resume(self, last: int, features: torch.Tensor | None) -> None:
+        if self._slot is not None:
+            self._slot.leave_resident()
+        self._last = last
+        self._pending = [features] if features is not None else []
+        self._proposal, self._pre = [], None
 
     def predraft(self, max_tokens: int) -> PreDraft | None:
         k = min(self._d.block_size - 2, max_tokens)

@@ -69,6 +69,9 @@ class HybridDrafter:
         if isinstance(self.model, StaticStepping):
             self.model.prepare_static_steps()
 
+    def resident_sessions(self) -> bool:
+        return False  # the lookup reads the verified tokens on the host
+
     def start(self, context: DraftContext) -> HybridSession:
         return HybridSession(self.lookup.start(context), self.model.start(context), self.model.block_size)
 

@@ -3,6 +3,7 @@
 from dflash2.engine.pipeline import AsyncPipeline
 from dflash2.engine.policy import OverlapPolicy
 from dflash2.engine.request import Request
+from dflash2.engine.resident import ResidentPipeline
 from dflash2.engine.sync import SyncPipeline
 
-__all__ = ["AsyncPipeline", "OverlapPolicy", "Request", "SyncPipeline"]
+__all__ = ["AsyncPipeline", "OverlapPolicy", "Request", "ResidentPipeline", "SyncPipeline"]

@@ -103,9 +103,11 @@ class Request:
             if free:
                 self._free()
 
-    async def run(self, worker: Worker, phase: Callable[[], T], threads: int | None = None) -> Timed:
+    async def run(
+        self, worker: Worker, phase: Callable[[], T], threads: int | None = None, synchronize: bool = True
+    ) -> Timed:
         """Run ``phase`` on ``worker`` through :meth:`use`: its value is ``None`` if the request was closed."""
-        return await worker.run(functools.partial(self.use, phase), threads)
+        return await worker.run(functools.partial(self.use, phase), threads, synchronize)
 
     def close(self) -> None:
         """Stop the request: its caches are freed now, or when the phases running now end."""
@@ -194,3 +196,11 @@ class Request:
         self.counters.acceptance_lengths.append(len(emitted))
         self.counters.verify_s += time.perf_counter() - start
         return emitted, outcome
+
+    def step(self) -> list[int]:
+        """One whole serial step: draft, verify, settle (the sync loop's step); the new tokens."""
+        before = self.counters.draft_s
+        draft = self.propose()
+        self.counters.wait_s += self.counters.draft_s - before  # drafting is all on the critical path
+        emitted, _ = self.settle(draft, self.verify(draft))
+        return emitted

@@ -21,17 +21,9 @@ class SyncPipeline:
 
     async def next_ids(self) -> list[int]:
         r = self.request
-        phase = self._step if r.started else r.prefill
+        phase = r.step if r.started else r.prefill
         emitted = (await r.run(self._worker, phase)).value
         return [] if emitted is None else list(emitted)  # None: the request was closed
-
-    def _step(self) -> list[int]:
-        r = self.request
-        before = self.counters.draft_s
-        draft = r.propose()
-        self.counters.wait_s += self.counters.draft_s - before  # drafting is all on the critical path
-        emitted, _ = r.settle(draft, r.verify(draft))
-        return emitted
 
     async def aclose(self) -> None:
         self.request.close()

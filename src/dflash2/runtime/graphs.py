@@ -135,20 +135,26 @@ class Slot:
             self.steps[key] = (ids, StaticStep(forward, self.mode, self.pool))
         return self.steps[key]
 
-    def forward(self, tokens: torch.Tensor, capture: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, tokens: torch.Tensor, capture: Sequence[int] = (), resident: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Process ``tokens`` [T] after the cached ones: logits [T, vocab] and features [T, F] (or ``None``).
 
         The cache advances by T. The outputs are views of the step's fixed buffers: use (or
-        copy) them before the slot's next forward.
+        copy) them before the slot's next forward. ``resident``: the length lives on the device
+        only (``start``, which the caller moves after acceptance); ``cache.length`` is neither
+        read nor advanced, so nothing waits for the host.
         """
         count = tokens.shape[0]
         size = bucket(count)
-        self.cache.check_room(size)
+        if not resident:
+            self.cache.check_room(size)
+            self.start.fill_(self.cache.length)
         ids, step = self.step(size, capture)
         ids[0, :count].copy_(tokens, non_blocking=True)
-        self.start.fill_(self.cache.length)
         logits, hidden = step.run()
-        self.cache.advance(count)
+        if not resident:
+            self.cache.advance(count)
         assert logits is not None
         return logits[0, :count], hidden[0, :count] if hidden is not None else None
 

@@ -123,9 +123,12 @@ class _State(enum.Enum):
 class _Job:
     """One call of ``fn`` in a worker thread: run once, or skipped if taken back while queued."""
 
-    def __init__(self, fn: Callable[[], Any], threads: int | None, wake: Callable[[], None]) -> None:
+    def __init__(
+        self, fn: Callable[[], Any], threads: int | None, wake: Callable[[], None], synchronize: bool = True
+    ) -> None:
         self._fn = fn
         self._threads = threads
+        self._synchronize = synchronize
         self._wake = wake
         self._lock = threading.Lock()
         self.state = _State.QUEUED
@@ -160,7 +163,7 @@ class _Job:
             context = torch.cuda.stream(stream) if stream is not None else nullcontext()
             with torch.inference_mode(), context:
                 value = self._fn()
-                if stream is not None:
+                if stream is not None and self._synchronize:
                     stream.synchronize()
             self._ok, self._result = True, Timed(value, self.started, time.perf_counter())
         except BaseException as err:  # handed to the caller, never lost
@@ -287,11 +290,16 @@ class Worker:
         old.stop()  # a stuck thread ends once its job returns
         return lane
 
-    async def run(self, fn: Callable[[], T], threads: int | None = None) -> Timed:
-        """Run ``fn`` in the worker thread (on ``threads`` cores if given); return its value and interval."""
+    async def run(self, fn: Callable[[], T], threads: int | None = None, synchronize: bool = True) -> Timed:
+        """Run ``fn`` in the worker thread (on ``threads`` cores if given); return its value and interval.
+
+        On CUDA the worker's stream is synchronised after ``fn`` so its tensors are ready for any
+        thread; ``synchronize=False`` is for jobs that return host values only and leave work
+        queued on the stream on purpose (the resident pipeline's one-step-behind reads).
+        """
         await anyio.lowlevel.checkpoint_if_cancelled()
         finished = anyio.Event()
-        job = _Job(fn, threads, _loop_waker(finished))
+        job = _Job(fn, threads, _loop_waker(finished), synchronize)
         self._submit(job)
         try:
             await finished.wait()
