@@ -360,7 +360,9 @@ def test_resident_max_new_tokens_inside_an_accepted_block(
     assert completion.finish_reason == "length"
 
 
-def test_resident_eos_and_stop_inside_an_accepted_block(paths: dict[str, Path], references: dict[str, list[int]]) -> None:
+def test_resident_eos_and_stop_inside_an_accepted_block(
+    paths: dict[str, Path], references: dict[str, list[int]]
+) -> None:
     truth = references[PROMPTS[0]]
     model = resident_model(paths, ResidentScripted(truth, [5]))
     model.eos_token_ids = frozenset({truth[14]})  # inside the third block, with a step in flight
