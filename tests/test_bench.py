@@ -187,11 +187,18 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     from dflash2.bench.gpu import main as gpu_main
 
     report = gpu_main(["--out", str(tmp_path), "--max-new-tokens", "16"])
-    assert json.loads((tmp_path / "gpu-check.json").read_text())["shape"] == "tiny"
+    saved = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert saved["shapes"] == ["tiny"] and saved["modes"] == ["off", "static"]
     assert set(report["exactness_fp32"].values()) == {"3/3"}
-    assert {"dflash-sync", "dflash-async"} <= set(report["exactness_fp32"])
+    assert {"dflash-sync-off", "dflash-async-static", "plain-async-static"} <= set(report["exactness_fp32"])
     configs = [row["config"] for row in report["timing"]]
-    assert configs[0] == "plain" and "dflash-async-overlap" in configs and "self-async-overlap" in configs
-    assert all(row["tokens_per_second"] > 0 for row in report["timing"])
-    self_draft = next(row for row in report["timing"] if row["config"] == "self-sync")
+    assert configs[:2] == ["transformers", "plain-off"]
+    assert {"self-sync-off", "dflash-async-static", "ngram-sync-static"} <= set(configs)
+    assert all(row["tokens_per_second"] > 0 and row["identical"] == row["prompts"] for row in report["timing"])
+    assert set(report["cold_start"]["tiny"]) == set(configs) and not report["skipped"]
+    self_draft = next(row for row in report["timing"] if row["config"] == "self-sync-static")
     assert self_draft["mean_acceptance_length"] > 4.0  # the target drafting for itself
+    _assert_png(tmp_path / "gpu-check.png")
+    (tmp_path / "gpu-check.png").unlink()
+    gpu_main(["--plot", str(tmp_path / "gpu-check.json")])  # the PNG of a report from the device
+    _assert_png(tmp_path / "gpu-check.png")  # the target drafting for itself

@@ -395,3 +395,51 @@ def test_resident_runs_where_it_can(name: str, paths: dict[str, Path], reference
         completion = model.generate(PROMPTS[2], max_new_tokens=48)
     assert list(completion.token_ids) == references[PROMPTS[2]]
     assert len(launched) >= completion.stats.steps - 8  # every step but the tail's
+
+
+def drafts_of(model: dflash2.Model, prompt: str, pipeline: str, stop_after: int | None = None) -> list[list[int]]:
+    """Every draft a generation proposes, host-driven or resident (``stop_after``: break after that many tokens)."""
+    drafts: list[list[int]] = []
+    drafter = model.drafter
+    assert drafter is not None
+    start = drafter.start
+
+    def recording_start(context: Any) -> Any:
+        session = start(context)
+        for method in ("propose", "propose_resident"):
+            inner = getattr(session, method)
+
+            def recorded(*args: Any, _inner: Any = inner) -> Draft:
+                draft = _inner(*args)
+                drafts.append([int(t) for t in draft.tokens])
+                return draft
+
+            setattr(session, method, recorded)
+        return session
+
+    async def generate() -> None:
+        async with model.stream(prompt, max_new_tokens=48, pipeline=pipeline) as stream:  # type: ignore[arg-type]
+            read = 0
+            async for _ in stream:
+                read += 1
+                if read == stop_after:
+                    break
+
+    drafter.start = recording_start  # type: ignore[method-assign]
+    try:
+        anyio.run(generate)
+    finally:
+        del drafter.start
+    return drafts
+
+
+@pytest.mark.parametrize("name", ["dflash1", "dflash2"])
+def test_resident_drafts_equal_the_sync_loops(name: str, paths: dict[str, Path]) -> None:
+    """The drafter's device-side context (its length, the kept features) follows the text exactly,
+    also on a slot whose last session ended in the middle of a resident run."""
+    eager = dflash2.load(paths["target"], drafter=paths[name], graphs="off")
+    resident = resident_model(paths, paths[name])
+    drafts_of(resident, PROMPTS[0], "async", stop_after=6)  # leaves the slot mid-run
+    for prompt in PROMPTS:
+        expected = drafts_of(eager, prompt, "sync")
+        assert drafts_of(resident, prompt, "async") == expected

@@ -47,9 +47,14 @@ def probabilities(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id per row of ``probs`` [..., vocab]."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    """One token id per row of ``probs`` [..., vocab]: the argmax of ``p / E``, ``E ~ Exp(1)`` i.i.d.
+
+    This exponential race is what ``torch.multinomial`` computes for one sample (the same ids
+    from the same generator state), minus its validity checks, which read the device from the
+    host: here sampling never waits for the GPU.
+    """
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise).argmax(-1)
 
 
 def choose(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:

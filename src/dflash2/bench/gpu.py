@@ -1,165 +1,253 @@
-"""The GPU check: sync vs async on a random-weight model of realistic shape, in one short run.
+"""The GPU check: eager vs CUDA graphs, sync vs async, on random-weight models of realistic shape.
 
 Nothing is downloaded: the models are random (``bench.synthetic``), so only timing and
 exactness mean anything. Acceptance is fixed by the drafter: the target drafting for itself
 accepts every token (the case with the most drafting to hide), a random DFlash drafter almost
 none (its drafting cost is what overlap can hide), the n-gram drafter whatever the random text
-repeats. Run it where CUDA is, writing JSON to a directory::
+repeats. One command, well inside the device's time limit, where CUDA is::
 
     PYTHONPATH=src python -m dflash2.bench.gpu --out "$OUT"
 
-On a CPU it runs the tiny shape (what the tests do).
+It runs the CUDA-only tests (``tests/test_cuda_graphs.py``), checks fp32 greedy exactness of
+every drafter, eager and with graphs, against transformers on the device, then times each shape
+in bf16: transformers ``generate``, dflash2 eager (``graphs="off"``) and with CUDA graphs, each
+drafter sync and async; the first request after loading is timed apart (cold start). The JSON
+is rewritten after every row, so a run cut short still reports what it measured. On a CPU it runs
+the tiny shape with ``graphs="static"`` (what the tests do). ``--plot JSON`` draws the PNG from a
+report (the device image may lack matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash2.api import Model, load
+from dflash2.api import load
 from dflash2.bench.harness import Row, aggregate, machine_info, rows_as_dicts
-from dflash2.bench.runners import DFlash2Runner, RunResult
+from dflash2.bench.runners import DFlash2Runner, RunResult, TransformersRunner
 from dflash2.bench.synthetic import PAD, save_random, save_random_dflash
-from dflash2.engine.policy import OverlapPolicy, Schedule
+from dflash2.engine.policy import OverlapPolicy
 
-# (hidden, intermediate, layers, heads, kv heads, vocab): TinyLlama-1.1B's shape, and a tiny one
-SHAPES = {"1b": (2048, 5632, 22, 32, 4, 32000), "tiny": (64, 128, 2, 4, 2, 260)}
-WARMUP_PASSES = 2  # untimed passes over PROMPTS before each configuration's timed one
+# arch, then (hidden, intermediate, layers, heads, kv heads, head dim, vocab, tied embeddings)
+SHAPES: dict[str, tuple[str, tuple[int, int, int, int, int, int, int, bool]]] = {
+    "tinyllama-1.1b": ("llama", (2048, 5632, 22, 32, 4, 64, 32000, False)),
+    "qwen3-0.6b": ("qwen3", (1024, 3072, 28, 16, 8, 128, 151936, True)),
+    "tiny": ("llama", (64, 128, 2, 4, 2, 16, 260, False)),
+}
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n",
     "The quick brown fox jumps over the lazy dog. The quick brown fox",
     "Speculative decoding drafts several tokens and verifies them in one forward pass. ",
 ]
+DRAFTERS = ("ngram", "self", "dflash")
+BUDGET_S = 420.0  # stop starting new rows after this long (the device allows 10 minutes a command)
 
 
 def _target(directory: Path, shape: str, device: str, dtype: torch.dtype) -> Path:
-    hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
+    arch, (hidden, inter, layers, heads, kv, head_dim, vocab, tied) = SHAPES[shape]
+    extra: dict[str, Any] = {"head_dim": head_dim} if arch == "qwen3" else {}
     return save_random(
-        directory, "llama", seed=0, std=0.02 if shape != "tiny" else 0.3, device=device, dtype=dtype,
+        directory, arch, seed=0, std=0.02 if shape != "tiny" else 0.3, device=device, dtype=dtype,
         hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=4096,
+        num_key_value_heads=kv, vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=4096, **extra,
     )  # fmt: skip
 
 
 def _dflash(directory: Path, shape: str) -> Path:
-    hidden, inter, layers, heads, kv, vocab = SHAPES[shape]
+    _, (hidden, inter, layers, heads, kv, head_dim, vocab, _) = SHAPES[shape]
     ids = (1, layers // 2, layers - 3) if layers > 3 else (0, 1)
-    dims = (hidden, inter, heads, kv, hidden // heads, 1)
     return save_random_dflash(
         directory, target_layers=layers, target_layer_ids=ids, block_size=8, std=0.02, vocab=vocab,
-        mask_token_id=PAD, shape=dims,
+        mask_token_id=PAD, shape=(hidden, inter, heads, kv, head_dim, 1),
     )  # fmt: skip
 
 
-def exactness(work: Path, device: str) -> dict[str, str]:
-    """fp32 greedy on this device: dflash2 (plain and each drafter, sync and async) against transformers."""
+def cuda_tests(root: Path) -> dict[str, Any]:
+    """Run ``tests/test_cuda_graphs.py`` (where the repository's tests are) and keep its summary."""
+    test_file = root / "tests" / "test_cuda_graphs.py"
+    if not test_file.is_file():
+        return {"skipped": f"{test_file} not found"}
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+        capture_output=True, text=True, cwd=root, env=env, check=False, timeout=240,
+    )  # fmt: skip
+    tail = (done.stdout + done.stderr).strip().splitlines()[-25:]
+    return {"returncode": done.returncode, "seconds": round(time.perf_counter() - start, 1), "tail": tail}
+
+
+def exactness(work: Path, device: str, modes: tuple[str, ...]) -> dict[str, str]:
+    """fp32 greedy on this device: plain and each drafter, each graph mode, sync and async, vs transformers."""
     path = save_random(work / "exact", "llama", seed=3, std=0.3, max_position_embeddings=512)
     reference: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     reference = reference.to(device).eval()
-    model = load(path, device=device, dtype="float32")
-    prompts = [model.tokenizer(p).input_ids for p in PROMPTS]
-    expected = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids], device=device)
-            out = reference.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False)
-            expected.append([int(t) for t in out[0, len(ids) :]])
-    results = {}
     drafters = {"plain": None, "ngram": "ngram", "self": path, "dflash": save_random_dflash(work / "exact-dflash")}
-    for name, drafter in drafters.items():
-        drafted = model.with_drafter(drafter)
-        drafted.policy = OverlapPolicy(schedule="overlap")
-        for pipeline in ("sync", "async"):
-            same = sum(
-                list(drafted.generate(p, max_new_tokens=64, pipeline=pipeline).token_ids) == e
-                for p, e in zip(PROMPTS, expected, strict=True)
-            )
-            results[f"{name}-{pipeline}"] = f"{same}/{len(PROMPTS)}"
+    expected: list[list[int]] = []
+    results = {}
+    for mode in modes:
+        model = load(path, device=device, dtype="float32", graphs=mode)  # type: ignore[arg-type]
+        if not expected:
+            with torch.inference_mode():
+                for prompt in PROMPTS:
+                    x = torch.tensor([model.tokenizer(prompt).input_ids], device=device)
+                    out = reference.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False)
+                    expected.append([int(t) for t in out[0, x.shape[1] :]])
+        for name, drafter in drafters.items():
+            drafted = model.with_drafter(drafter)
+            drafted.policy = OverlapPolicy(schedule="overlap")
+            for pipeline in ("sync", "async"):
+                same = sum(
+                    list(drafted.generate(p, max_new_tokens=64, pipeline=pipeline).token_ids) == e
+                    for p, e in zip(PROMPTS, expected, strict=True)
+                )
+                results[f"{name}-{pipeline}-{mode}"] = f"{same}/{len(PROMPTS)}"
     return results
 
 
-def _runs(model: Model, config: str, max_new_tokens: int, **options: Any) -> tuple[DFlash2Runner, list[RunResult]]:
-    """Every prompt once, timed, after ``WARMUP_PASSES`` untimed passes over all of them.
+class _Timer:
+    """Rows of one shape, each a runner's timed pass after its cold first request and one warm pass."""
 
-    On the H200 lent here the first pass of a new drafter or schedule ran 3-9x slower than the
-    next (2026-12-04), so a short warm-up made whichever configuration ran first look slow."""
-    runner = DFlash2Runner(model, config, **options)
-    ids = [model.tokenizer(p).input_ids for p in PROMPTS]
+    def __init__(self, shape: str, max_new_tokens: int, deadline: float, save: Callable[[], None]) -> None:
+        self.shape, self.max_new_tokens, self.deadline, self.save = shape, max_new_tokens, deadline, save
+        self.rows: list[Row] = []
+        self.cold: dict[str, dict[str, float]] = {}
+        self.reference: list[list[int]] | None = None
+        self.skipped: list[str] = []
 
-    def one_pass() -> list[RunResult]:
-        return [runner.run(p, i, max_new_tokens) for p, i in zip(PROMPTS, ids, strict=True)]
+    def __call__(self, runner: Any, ids: list[list[int]], load_s: float = 0.0) -> None:
+        if time.perf_counter() > self.deadline:
+            self.skipped.append(runner.name)
+            return
 
-    for _ in range(WARMUP_PASSES):
-        warm = one_pass()
-        tokens = sum(len(r.token_ids) for r in warm)
-        print(f"{config:>20} warm-up: {tokens / sum(r.seconds for r in warm):7.1f} tok/s", flush=True)
-    return runner, one_pass()
+        def one_pass() -> list[RunResult]:
+            return [runner.run(p, i, self.max_new_tokens) for p, i in zip(PROMPTS, ids, strict=True)]
 
-
-def timing(work: Path, shape: str, device: str, dtype: torch.dtype, max_new_tokens: int) -> list[Row]:
-    """Plain, then each drafter sync and async; "identical" compares with plain in the same dtype."""
-    target = _target(work / "target", shape, device, dtype)
-    model = load(target, device=device, dtype=dtype)
-    drafters: dict[str, Any] = {"ngram": "ngram", "self": target, "dflash": _dflash(work / "dflash", shape)}
-    runner, plain = _runs(model, "plain", max_new_tokens)
-    reference = [r.token_ids for r in plain]
-    rows = [aggregate(runner, "gpu-check", [(r, True) for r in plain])]
-    _print(rows[0])
-
-    def timed(drafted: Model, config: str, **options: Any) -> None:
-        runner, results = _runs(drafted, config, max_new_tokens, **options)
-        checked = [(r, r.token_ids == e) for r, e in zip(results, reference, strict=True)]
-        rows.append(aggregate(runner, "gpu-check", checked))
-        _print(rows[-1])
-
-    for name, drafter in drafters.items():
-        drafted = model.with_drafter(drafter)
-        timed(drafted, f"{name}-sync", pipeline="sync")
-        schedules: tuple[Schedule, ...] = ("auto", "overlap") if name != "ngram" else ("auto",)
-        for schedule in schedules:
-            drafted.policy = OverlapPolicy(schedule=schedule)
-            timed(drafted, f"{name}-async-{schedule}", pipeline="async")
-    return rows
+        first = runner.run(PROMPTS[0], ids[0], self.max_new_tokens)
+        one_pass()
+        results = one_pass()
+        steady = results[0].seconds
+        self.cold[runner.name] = {
+            "load_s": round(load_s, 3),
+            "first_request_s": round(first.seconds, 4),
+            "steady_request_s": round(steady, 4),
+            "first_over_steady": round(first.seconds / steady, 3) if steady else 0.0,
+        }
+        if self.reference is None:
+            self.reference = [r.token_ids for r in results]
+        checked = [(r, r.token_ids == e) for r, e in zip(results, self.reference, strict=True)]
+        row = aggregate(runner, self.shape, checked)
+        self.rows.append(row)
+        steps = len(row.acceptance_lengths) or row.new_tokens
+        print(
+            f"{self.shape:>15} {row.config:>24}: {row.tokens_per_second:8.1f} tok/s  "
+            f"{1000 * row.seconds / steps:6.2f} ms/step  tau {row.mean_acceptance_length or 1:.2f}  "
+            f"overlap {row.overlap or 0:.0%}  bubble {row.bubble or 0:.0%}  first/steady "
+            f"{self.cold[runner.name]['first_over_steady']:.2f}  identical {row.identical}/{row.prompts}",
+            flush=True,
+        )
+        self.save()
 
 
-def _print(r: Row) -> None:
-    print(
-        f"{r.config:>20}: {r.tokens_per_second:7.1f} tok/s  tau {r.mean_acceptance_length or 1:.2f}  "
-        f"overlap {r.overlap or 0:.0%}  bubble {r.bubble or 0:.0%}  "
-        f"pre-draft hit rate {r.predraft_hit_rate or 0:.0%}  identical to plain {r.identical}/{r.prompts}",
-        flush=True,
-    )
+def timing(
+    work: Path, shape: str, device: str, dtype: torch.dtype, timer: _Timer, modes: tuple[str, ...]
+) -> None:
+    """transformers, then dflash2 plain and each drafter: eager sync only, graphs sync and async.
+
+    "identical" compares with transformers in the same dtype (the first row)."""
+    target = _target(work / f"{shape}-target", shape, device, dtype)
+    dflash = _dflash(work / f"{shape}-dflash", shape)
+    hf: Any = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
+    hf = hf.to(device).eval()
+    for mode in modes:
+        started = time.perf_counter()
+        model = load(target, device=device, dtype=dtype, graphs=mode)  # type: ignore[arg-type]
+        loaded = time.perf_counter() - started
+        ids = [model.tokenizer(p).input_ids for p in PROMPTS]
+        if hf is not None:
+            timer(TransformersRunner(hf, model.workers.verify), ids)
+            hf = None
+        timer(DFlash2Runner(model, f"plain-{mode}", pipeline="sync"), ids, loaded)
+        if mode != "off":
+            timer(DFlash2Runner(model, f"plain-{mode}-async", pipeline="async"), ids)
+        for name in DRAFTERS:
+            started = time.perf_counter()
+            drafted = model.with_drafter({"ngram": "ngram", "self": target, "dflash": dflash}[name])
+            loaded = time.perf_counter() - started
+            timer(DFlash2Runner(drafted, f"{name}-sync-{mode}", pipeline="sync"), ids, loaded)
+            if mode != "off":
+                timer(DFlash2Runner(drafted, f"{name}-async-{mode}", pipeline="async"), ids)
+
+
+def plot(report: dict[str, Any], path: Path) -> Path:
+    """tokens/s of every row, one group of bars per shape."""
+    from dflash2.bench.report import plot_tokens_per_second
+
+    rows = [Row(**r) for r in report["timing"]]
+    return plot_tokens_per_second(rows, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description="sync vs async on a random-weight model; exactness in fp32")
-    parser.add_argument("--out", type=Path, required=True, help="directory for gpu-check.json")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: 1b on CUDA, tiny on CPU")
+    parser = argparse.ArgumentParser(description="eager vs CUDA graphs, sync vs async; exactness in fp32")
+    parser.add_argument("--out", type=Path, help="directory for gpu-check.json (and gpu-check.png)")
+    parser.add_argument("--shapes", default=None, help="comma-separated; default: the two real shapes on CUDA")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds after which no new row starts")
+    parser.add_argument("--no-tests", action="store_true", help="skip tests/test_cuda_graphs.py")
+    parser.add_argument("--plot", type=Path, help="only draw the PNG of this report (beside it)")
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        drawn: dict[str, Any] = json.loads(args.plot.read_text())
+        print(plot(drawn, args.plot.with_suffix(".png")))
+        return drawn
+    if args.out is None:
+        parser.error("--out is required")
+    begun = time.perf_counter()
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    shape = args.shape or ("1b" if cuda else "tiny")
+    modes = ("off", "cuda") if cuda else ("off", "static")
+    shapes = args.shapes.split(",") if args.shapes else (["tinyllama-1.1b", "qwen3-0.6b"] if cuda else ["tiny"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"machine": machine_info(), "dtype": str(dtype), "shapes": shapes, "modes": list(modes)}
+    timers: list[_Timer] = []
+
+    def save() -> None:
+        report["timing"] = [r for t in timers for r in rows_as_dicts(t.rows)]
+        report["cold_start"] = {t.shape: t.cold for t in timers}
+        report["skipped"] = {t.shape: t.skipped for t in timers if t.skipped}
+        report["seconds"] = round(time.perf_counter() - begun, 1)
+        (args.out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    if cuda and not args.no_tests:
+        report["cuda_tests"] = cuda_tests(Path(__file__).resolve().parents[3])
+        print("cuda tests:", report["cuda_tests"].get("tail", [""])[-1:], flush=True)
+        save()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        exact = exactness(work, device)
-        rows = timing(work, shape, device, dtype, args.max_new_tokens)
-    report: dict[str, Any] = {
-        "machine": machine_info(),
-        "shape": shape,
-        "dtype": str(dtype),
-        "exactness_fp32": exact,
-        "timing": rows_as_dicts(rows),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
-    print("exactness (fp32):", exact)
+        report["exactness_fp32"] = exactness(work, device, modes)
+        print("exactness (fp32):", report["exactness_fp32"], flush=True)
+        save()
+        for shape in shapes:
+            timers.append(_Timer(shape, args.max_new_tokens, begun + args.budget, save))
+            timing(work, shape, device, dtype, timers[-1], modes)
+            if cuda:
+                torch.cuda.empty_cache()
+    save()
+    try:
+        plot(report, args.out / "gpu-check.png")
+    except ImportError:
+        print("no matplotlib here: draw the PNG later with --plot", flush=True)
     return report
 
 

@@ -59,7 +59,7 @@ class TransformersRunner:
         return out
 
     def run(self, prompt: Any, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
-        ids = torch.tensor([prompt_ids])
+        ids = torch.tensor([prompt_ids], device=self.model.device)
         start = time.perf_counter()
         out = self.worker.call(lambda: self._generate(ids, max_new_tokens))
         seconds = time.perf_counter() - start

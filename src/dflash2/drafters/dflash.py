@@ -621,6 +621,10 @@ class DFlashSlot:
         assert states is not None
         return states
 
+    def reset(self) -> None:
+        self.cache.reset()
+        self.resident = False
+
     def leave_resident(self) -> None:
         """Bring the context length back from the device (one read) after resident drafts."""
         if self.resident:

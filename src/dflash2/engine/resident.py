@@ -41,7 +41,7 @@ class _Clock:
 
     def mark(self) -> None:
         if self._cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             event.record()
             self._marks.append(event)
         else:
@@ -141,7 +141,7 @@ class ResidentPipeline:
         host.copy_(out, non_blocking=True)
         done = None
         if out.is_cuda:
-            done = torch.cuda.Event()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record()
         return _Launched(host, done, clock, host_drafted)
 

@@ -28,7 +28,6 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import torch
 
-from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.model import Decoder
 
 StepMode = Literal["off", "static", "cuda"]
@@ -158,6 +157,9 @@ class Slot:
         assert logits is not None
         return logits[0, :count], hidden[0, :count] if hidden is not None else None
 
+    def reset(self) -> None:
+        self.cache.reset()
+
     def prepare(self, size: int, capture: Sequence[int] = ()) -> None:
         """Build (and in ``"cuda"`` mode capture) the step of ``size`` tokens now."""
         _, step = self.step(size, capture)
@@ -167,10 +169,9 @@ class Slot:
 
 
 class Reusable(Protocol):
-    """What a pool needs of a slot: a cache to empty, and steps to build ahead."""
+    """What a pool needs of a slot: a way to empty it for the next request, and steps to build ahead."""
 
-    @property
-    def cache(self) -> KVCache: ...
+    def reset(self) -> None: ...
 
     def prepare(self, size: int, capture: Sequence[int] = ()) -> None: ...
 
@@ -211,7 +212,7 @@ class StepPool(Generic[S]):
         with self._lock:
             slot = self._free.pop() if self._free else None
         if slot is not None:
-            slot.cache.reset()
+            slot.reset()
         return slot
 
     def release(self, slot: S) -> None:
