@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
-from tiny import SPEC_PROMPTS, SlowForward
+from tiny import SPEC_PROMPTS, SlowForward, full_blocks
 
 import dflash2
 from dflash2.drafters import Draft, DraftContext, Outcome
@@ -24,8 +24,9 @@ PROMPTS = SPEC_PROMPTS
 
 
 def forced(model: dflash2.Model, schedule: str = "overlap") -> dflash2.Model:
+    """The schedule forced, and full blocks every step (what these tests measure is the overlap)."""
     model.policy = OverlapPolicy(schedule=schedule)  # type: ignore[arg-type]
-    return model
+    return full_blocks(model)
 
 
 @pytest.mark.parametrize("name", ["self", "random", "dflash1", "dflash2", "ngram", "hybrid"])

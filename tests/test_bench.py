@@ -22,7 +22,7 @@ from dflash2.bench.run import add_arguments, main
 from dflash2.bench.sweep import prompts_of_length
 from dflash2.tokenize import encode_prompt
 
-CONFIGS = ["transformers", "dflash2", "dflash2-ngram-sync", "dflash2-ngram-async"]
+CONFIGS = ["transformers", "dflash2", "dflash2-ngram-sync", "dflash2-ngram-async", "dflash2-ngram-sync-fixed"]
 DATASETS = ["humaneval", "mtbench"]
 CONTEXT = 2048
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 import pytest
-from tiny import SPEC_PROMPTS, SlowForward
+from tiny import SPEC_PROMPTS, SlowForward, full_blocks
 
 import dflash2
 from dflash2.engine import OverlapPolicy
@@ -115,6 +115,7 @@ def test_anyio_deadlines_land_within_one_forward(
     model, slow = slowed(paths, paths["target"] if drafter == "self" else drafter)
     if drafter == "self":
         model.policy = OverlapPolicy(schedule="overlap")  # the step runs two workers at once
+        full_blocks(model)
     deadline = 0.35
 
     async def main() -> None:
@@ -191,6 +192,7 @@ def test_a_queued_job_of_a_cancelled_stream_is_taken_back(paths: dict[str, Path]
 def test_aclose_from_another_task_ends_the_iterator_cleanly(paths: dict[str, Path], pipeline: str) -> None:
     model, slow = slowed(paths, paths["target"], delay=0.03)
     model.policy = OverlapPolicy(schedule="overlap")
+    full_blocks(model)
 
     async def main(wait: float) -> None:
         stream = model.stream(PROMPT, max_new_tokens=48, pipeline=pipeline)  # type: ignore[arg-type]
@@ -221,6 +223,7 @@ def test_the_event_loop_never_waits_for_a_forward(paths: dict[str, Path], pipeli
     forwards on the loop thread, as a mutation, and the largest gap is >= 0.15 s)."""
     model, slow = slowed(paths, paths["target"], delay=0.15)
     model.policy = OverlapPolicy(schedule="overlap")
+    full_blocks(model)
     gaps: list[float] = []
 
     async def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ from tiny import save_tiny, save_tiny_dflash
 
 import dflash2
 from dflash2.config import SamplingConfig
-from dflash2.engine import OverlapPolicy
+from dflash2.engine import DraftLengthPolicy, OverlapPolicy
+from dflash2.engine.draft_length import DraftLength
 from dflash2.sampling import probabilities
 
 VOCAB8 = 8
@@ -149,3 +151,42 @@ def test_same_seed_same_output(paths: dict[str, Path], pipeline: str) -> None:
         a = model.generate(PROMPT, max_new_tokens=40, temperature=1.0, seed=42, pipeline=pipeline)
         b = model.generate(PROMPT, max_new_tokens=40, temperature=1.0, seed=42, pipeline=pipeline)
         assert a.token_ids == b.token_ids, name
+
+
+class VaryingLength(DraftLengthPolicy):
+    """The draft-length policy under seeded sampling (which normally keeps full blocks), with
+    fixed costs so that its choices, and so the test, are reproducible: k follows acceptance."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.requests: list[DraftLength] = []
+        for tokens in (1, 2, 3):
+            super().record_verify(tokens, 1.0 + 0.1 * (tokens - 1))
+        for tokens in (1, 2):
+            super().record_draft(tokens, 0.02 * tokens)
+
+    def record_verify(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def record_draft(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def start(self, fixed: bool = False) -> DraftLength:
+        self.requests.append(super().start(fixed=False))
+        return self.requests[-1]
+
+
+@pytest.mark.parametrize(
+    ("name", "config"), [("autoregressive", CONFIGS[0]), ("dflash2", CONFIGS[1]), ("ngram", CONFIGS[1])]
+)
+def test_a_draft_length_chosen_per_step_keeps_the_distribution(
+    name: str, config: SamplingConfig, paths: dict[str, Path]
+) -> None:
+    model = dflash2.load(paths["target"], drafter=drafter_for(name, paths), block_size=3)
+    lengths = model.lengths = VaryingLength()
+    prompt_ids = model.tokenizer(PROMPT).input_ids
+    *counts, _ = sample_marginals(model, config, 6, pipeline="sync")
+    check_marginals(counts[:3], exact_marginals(paths["target"], prompt_ids, config, last=4))
+    chosen = Counter(k for request in lengths.requests for k in request.chosen)
+    common = [k for k, n in chosen.items() if n >= 0.05 * sum(chosen.values())]
+    assert len(common) >= 2, chosen  # the length did vary from step to step

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny import hf_greedy, save_tiny_dflash
+from tiny import full_blocks, hf_greedy, save_tiny_dflash
 
 import dflash2
 from dflash2.demo_model import shipped_drafter
@@ -75,6 +75,7 @@ def test_speculative_greedy_identical_to_transformers(
     arg: Any = choices.get(drafter) or _random_dflash(tmp_path / "d")
     model = dflash2.load(smollm2_gguf, drafter=arg, block_size={"autoregressive": 6, "dflash": 4}.get(drafter))
     model.policy = OverlapPolicy(schedule="overlap")  # the async runs pre-draft every step
+    full_blocks(model)  # and every step drafts a whole block
     runs = [(0, "sync")] + [(i, "async") for i in range(len(SPEC_PROMPTS))]
     lengths: list[int] = []
     for i, pipeline in runs:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import EOS, PAD, SPEC_PROMPTS
+from tiny import EOS, PAD, SPEC_PROMPTS, full_blocks
 
 import dflash2
 from dflash2.drafters import Draft, DraftContext, HybridDrafter, NGramDrafter, Outcome
@@ -42,7 +42,7 @@ def test_greedy_identical_to_transformers(
 
 
 def test_self_draft_accepts_every_token(paths: dict[str, Path]) -> None:
-    model = dflash2.load(paths["target"], drafter=paths["target"], block_size=5)
+    model = full_blocks(dflash2.load(paths["target"], drafter=paths["target"], block_size=5))
     stats = model.generate(PROMPTS[1], max_new_tokens=41).stats
     # 1 token from the prefill, then 8 full blocks of 5 (4 drafts + the bonus)
     assert stats.acceptance_lengths == (5,) * 8
@@ -102,7 +102,7 @@ def test_scripted_acceptance_lengths(paths: dict[str, Path], references: dict[st
     truth = references[PROMPTS[0]]
     script = [3, 0, 5, 2, 1, 4]
     drafter = ScriptedDrafter(truth, script)
-    model = dflash2.load(paths["target"], drafter=drafter)
+    model = full_blocks(dflash2.load(paths["target"], drafter=drafter))
     completion = model.generate(PROMPTS[0], max_new_tokens=27, pipeline=pipeline)
     assert list(completion.token_ids) == truth[:27]
     assert completion.stats.acceptance_lengths[:6] == tuple(a + 1 for a in script)
@@ -116,7 +116,7 @@ def test_max_new_tokens_inside_an_accepted_block(
     paths: dict[str, Path], references: dict[str, list[int]], pipeline: str
 ) -> None:
     truth = references[PROMPTS[0]]
-    model = dflash2.load(paths["target"], drafter=ScriptedDrafter(truth, [5]))
+    model = full_blocks(dflash2.load(paths["target"], drafter=ScriptedDrafter(truth, [5])))
     for n in (2, 4, 7, 9):
         completion = model.generate(PROMPTS[0], max_new_tokens=n, pipeline=pipeline)
         assert list(completion.token_ids) == truth[:n]
@@ -126,7 +126,7 @@ def test_max_new_tokens_inside_an_accepted_block(
 @pytest.mark.parametrize("pipeline", PIPELINES)
 def test_eos_inside_an_accepted_block(paths: dict[str, Path], references: dict[str, list[int]], pipeline: str) -> None:
     truth = references[PROMPTS[0]]
-    model = dflash2.load(paths["target"], drafter=ScriptedDrafter(truth, [5]))
+    model = full_blocks(dflash2.load(paths["target"], drafter=ScriptedDrafter(truth, [5])))
     eos = truth[8]  # lands in the middle of the second block (tokens 6..11)
     model.eos_token_ids = frozenset({eos})
     completion = model.generate(PROMPTS[0], max_new_tokens=40, pipeline=pipeline)
@@ -140,7 +140,7 @@ def test_stop_string_inside_an_accepted_block(paths: dict[str, Path], pipeline: 
     free = plain.generate(PROMPTS[2], max_new_tokens=40)
     stop = free.text[9:11]
     truth = list(free.token_ids)
-    model = dflash2.load(paths["target"], drafter=ScriptedDrafter(truth, [5]))
+    model = full_blocks(dflash2.load(paths["target"], drafter=ScriptedDrafter(truth, [5])))
     completion = model.generate(PROMPTS[2], max_new_tokens=40, stop=[stop], pipeline=pipeline)
     assert completion.text == free.text[: free.text.index(stop)]
     assert completion.finish_reason == "stop"

@@ -15,7 +15,7 @@ import anyio
 import pytest
 import torch
 from test_speculative import DRAFTERS, drafter_arg
-from tiny import SPEC_PROMPTS
+from tiny import SPEC_PROMPTS, full_blocks
 
 import dflash2
 from dflash2 import GraphConfig, InvalidOptionError
@@ -75,8 +75,8 @@ def recorded_drafts(model: dflash2.Model, prompt: str, **options: Any) -> tuple[
 def test_the_drafter_drafts_what_it_drafts_eagerly(name: str, paths: dict[str, Path]) -> None:
     """Random drafters are rarely accepted, so the output alone would not show a wrong draft."""
     path = drafter_arg(name, paths)
-    eager = dflash2.load(paths["target"], drafter=path, graphs="off")
-    stepped = static(paths["target"], path)
+    eager = full_blocks(dflash2.load(paths["target"], drafter=path, graphs="off"))
+    stepped = full_blocks(static(paths["target"], path))
     for prompt in PROMPTS:
         assert recorded_drafts(stepped, prompt) == recorded_drafts(eager, prompt)
     assert stepped.drafter is not None and stepped.drafter.steps.free == len(stepped.drafter.steps.slots)  # type: ignore[attr-defined]
@@ -437,8 +437,8 @@ def drafts_of(model: dflash2.Model, prompt: str, pipeline: str, stop_after: int 
 def test_resident_drafts_equal_the_sync_loops(name: str, paths: dict[str, Path]) -> None:
     """The drafter's device-side context (its length, the kept features) follows the text exactly,
     also on a slot whose last session ended in the middle of a resident run."""
-    eager = dflash2.load(paths["target"], drafter=paths[name], graphs="off")
-    resident = resident_model(paths, paths[name])
+    eager = full_blocks(dflash2.load(paths["target"], drafter=paths[name], graphs="off"))
+    resident = full_blocks(resident_model(paths, paths[name]))
     drafts_of(resident, PROMPTS[0], "async", stop_after=6)  # leaves the slot mid-run
     for prompt in PROMPTS:
         expected = drafts_of(eager, prompt, "sync")

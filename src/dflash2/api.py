@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,8 @@ from dflash2.config import (
     parse_generation_options,
 )
 from dflash2.drafters import Drafter, load_drafter
-from dflash2.drafters.base import StaticStepping, drafter_context
-from dflash2.engine import AsyncPipeline, OverlapPolicy, Request, ResidentPipeline, SyncPipeline
+from dflash2.drafters.base import Draft, StaticStepping, drafter_context
+from dflash2.engine import AsyncPipeline, DraftLengthPolicy, OverlapPolicy, Request, ResidentPipeline, SyncPipeline
 from dflash2.errors import ContextLengthError, InvalidOptionError, StreamStateError
 from dflash2.runtime.device import resolve_device, resolve_dtype
 from dflash2.runtime.graphs import MAX_BUCKET, Slot, StepPool, buckets_up_to
@@ -61,6 +62,7 @@ class Model:
         self.workers = workers if workers is not None else Workers.shared(target.device)
         self._closed = False
         self.policy = OverlapPolicy()  # learns, per drafter, whether drafting ahead pays
+        self.lengths = DraftLengthPolicy()  # learns, per drafter, how far drafting pays
         self.graphs = graphs if graphs is not None else GraphConfig()
         self.graph_mode = self.graphs.resolve(target.device.type)
         # the target's static slots (shared by every Model of this target, see with_drafter)
@@ -105,7 +107,26 @@ class Model:
         )  # fmt: skip
         if model.graph_mode == "cuda":
             model.warmup()
+        if chosen is not None:
+            model.calibrate()
         return model
+
+    def _filler(self, tokens: int = 16) -> list[int]:
+        """A prompt for warm-up and calibration: any valid ids do."""
+        return [i % self.target.spec.vocab_size for i in range(1, tokens + 1)]
+
+    def calibrate(self) -> None:
+        """Time the target's forward over 1 .. ``block_size`` tokens on this device (best of two),
+        the cost curve the draft-length policy starts from; :meth:`with_drafter` calls it."""
+        if self.drafter is None:
+            return
+        block = self.drafter.block_size
+        config = GenerationConfig(max_new_tokens=block)
+        request = Request(self.target, self._filler(), config, SamplingConfig(), None, self.steps)  # no session
+        request.capture = tuple(self.drafter.capture_layers)  # but the forwards its verification runs
+        times = self.workers.verify.call(functools.partial(_time_forwards, request, block))
+        for tokens, seconds in times.items():
+            self.lengths.record_verify(tokens, seconds)
 
     def warmup(self) -> None:
         """Build the static steps (capture the CUDA graphs) and run one short generation.
@@ -119,10 +140,8 @@ class Model:
             self.workers.verify.call(functools.partial(self.steps.prepare, buckets_up_to(block), capture))
         if isinstance(self.drafter, StaticStepping):
             self.workers.verify.call(self.drafter.prepare_static_steps)
-        prompt = encode_prompt(self.tokenizer, "Warm-up: the quick brown fox jumps over the lazy dog.")
-        request = Request(
-            self.target, prompt, GenerationConfig(max_new_tokens=4 * block), SamplingConfig(), self.drafter, self.steps
-        )
+        config = GenerationConfig(max_new_tokens=4 * block)
+        request = Request(self.target, self._filler(), config, SamplingConfig(), self.drafter, self.steps)
         self.workers.verify.call(functools.partial(_run_to_the_end, request))
 
     def close(self) -> None:
@@ -148,7 +167,10 @@ class Model:
                 f"the prompt has {len(prompt_ids)} tokens and max_new_tokens is {config.max_new_tokens}: "
                 f"{needed} > {whose} context of {self.max_context}. Shorten the prompt or lower max_new_tokens."
             )
-        request = Request(self.target, prompt_ids, config, sampling, self.drafter, self.steps)
+        lengths = None
+        if self.drafter is not None:  # a seeded sample must not depend on timing: it keeps the full length
+            lengths = self.lengths.start(fixed=not sampling.greedy and sampling.seed is not None)
+        request = Request(self.target, prompt_ids, config, sampling, self.drafter, self.steps, lengths)
         source: TokenSource
         if config.pipeline == "sync":
             source = SyncPipeline(request, self.workers.verify)
@@ -198,6 +220,24 @@ class Model:
                 "use `await model.agenerate(...)` or `async for tok in model.stream(...)` instead."
             )
         return anyio.run(functools.partial(self.agenerate, prompt, **options))
+
+
+def _time_forwards(request: Request, block: int) -> dict[int, float]:
+    """Seconds of a verify forward of 1 .. ``block`` tokens after ``request``'s prompt (best of two)."""
+    best: dict[int, float] = {}
+    try:
+        request.prefill()
+        for _ in range(2):
+            for size in range(1, block + 1):
+                draft = Draft(torch.full((size - 1,), request.last, device=request.target.device))
+                start = time.perf_counter()
+                float(request.verify(draft).logits[-1, 0])  # read back: the time includes the device's
+                best[size] = min(best.get(size, float("inf")), time.perf_counter() - start)
+                assert request.cache is not None
+                request.cache.rollback(request.verified)
+    finally:
+        request.close()
+    return best
 
 
 def _run_to_the_end(request: Request) -> None:

@@ -37,6 +37,7 @@ from dflash2.api import load
 from dflash2.bench.harness import Row, aggregate, machine_info, rows_as_dicts
 from dflash2.bench.runners import DFlash2Runner, RunResult, TransformersRunner
 from dflash2.bench.synthetic import PAD, save_random, save_random_dflash
+from dflash2.engine.draft_length import DraftLengthPolicy
 from dflash2.engine.policy import OverlapPolicy
 
 # arch, then (hidden, intermediate, layers, heads, kv heads, head dim, vocab, tied embeddings)
@@ -107,6 +108,7 @@ def exactness(work: Path, device: str, modes: tuple[str, ...]) -> dict[str, str]
         for name, drafter in drafters.items():
             drafted = model.with_drafter(drafter)
             drafted.policy = OverlapPolicy(schedule="overlap")
+            drafted.lengths = DraftLengthPolicy(mode="fixed")  # every step a whole block: the most to check
             for pipeline in ("sync", "async"):
                 same = sum(
                     list(drafted.generate(p, max_new_tokens=64, pipeline=pipeline).token_ids) == e
@@ -185,6 +187,8 @@ def timing(
             started = time.perf_counter()
             drafted = model.with_drafter({"ngram": "ngram", "self": target, "dflash": dflash}[name])
             loaded = time.perf_counter() - started
+            if name == "self":  # whole blocks: the case with the most drafting to hide (the policy would not draft)
+                drafted.lengths = DraftLengthPolicy(mode="fixed")
             timer(DFlash2Runner(drafted, f"{name}-sync-{mode}", pipeline="sync"), ids, loaded)
             if mode != "off":
                 timer(DFlash2Runner(drafted, f"{name}-async-{mode}", pipeline="async"), ids)

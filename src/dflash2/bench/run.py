@@ -43,6 +43,7 @@ from dflash2.bench.sweep import (
     prompt_length_table,
     write_sweep_json,
 )
+from dflash2.engine.draft_length import DraftLengthPolicy
 from dflash2.engine.policy import OverlapPolicy, Schedule
 from dflash2.runtime.loader import resolve_checkpoint
 from dflash2.runtime.workers import release_thread_pool
@@ -52,7 +53,12 @@ from dflash2.tokenize import encode_prompt
 PEERS = ("transformers", "transformers-1thread", "transformers-prompt-lookup", "transformers-assisted")
 DRAFTED = ("ngram", "ar", "dflash", "hybrid")  # hybrid: prompt lookup first, the DFlash drafter otherwise
 PIPELINE_NAMES = ("sync", "async")
-CONFIGS = (*PEERS, "dflash2", *(f"dflash2-{d}-{p}" for d in DRAFTED for p in PIPELINE_NAMES))
+# "-fixed": every step drafts as far as the block allows (no draft-length policy), as before it existed
+CONFIGS = (
+    *PEERS,
+    "dflash2",
+    *(f"dflash2-{d}-{p}{f}" for d in DRAFTED for p in PIPELINE_NAMES for f in ("", "-fixed")),
+)
 DEFAULT_CONFIGS = ("transformers", "transformers-prompt-lookup", "dflash2", "dflash2-ngram-sync", "dflash2-ngram-async")
 
 
@@ -95,13 +101,16 @@ def build_runners(
         elif name == "dflash2":
             runners.append(DFlash2Runner(model, name))
         else:
-            _, kind, pipeline = name.split("-")
+            _, kind, pipeline, *fixed = name.split("-")
             if drafters.get(kind) is None:
                 raise SystemExit(f"{name} needs --{'dflash' if kind == 'hybrid' else kind}-drafter")
-            if kind not in with_drafter:
-                with_drafter[kind] = model.with_drafter(drafters[kind], block_sizes.get(kind))
-                with_drafter[kind].policy = OverlapPolicy(schedule=schedule)
-            runners.append(DFlash2Runner(with_drafter[kind], name, pipeline=pipeline))
+            key = kind + "-fixed" * bool(fixed)
+            if key not in with_drafter:
+                with_drafter[key] = model.with_drafter(drafters[kind], block_sizes.get(kind))
+                with_drafter[key].policy = OverlapPolicy(schedule=schedule)
+                if fixed:
+                    with_drafter[key].lengths = DraftLengthPolicy(mode="fixed")
+            runners.append(DFlash2Runner(with_drafter[key], name, pipeline=pipeline))
     return runners
 
 

@@ -58,8 +58,8 @@ class AsyncPipeline:
             return []
         draft, emitted, can_overlap = step
         overlapped = emitted is None
-        if emitted is None:
-            emitted = await self._verify_while_predrafting(draft, r.room - len(draft) - 1)
+        if emitted is None:  # pre-draft as far as this step drafted
+            emitted = await self._verify_while_predrafting(draft, min(len(draft), r.room - len(draft) - 1))
         if can_overlap and not self._fixed:
             self._policy.record(overlapped, time.perf_counter() - started, len(emitted))
         return emitted
@@ -77,7 +77,7 @@ class AsyncPipeline:
         can_overlap = len(draft) > 0 and ahead > 0 and isinstance(session, PreDrafting) and session.can_predraft()
         if can_overlap and (self._fixed or self._policy.overlap_next()):
             return draft, None, True
-        emitted, _ = r.settle(draft, r.verify(draft))
+        emitted, _ = r.check(draft)
         return draft, emitted, can_overlap
 
     async def _verify_while_predrafting(self, draft: Draft, ahead: int) -> list[int]:

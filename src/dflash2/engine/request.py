@@ -30,6 +30,7 @@ import torch
 
 from dflash2.config import GenerationConfig, SamplingConfig
 from dflash2.drafters.base import Draft, DraftContext, Drafter, DraftSession, Outcome
+from dflash2.engine.draft_length import DraftLength
 from dflash2.runtime.graphs import Slot, StepPool
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.model import Decoder
@@ -60,8 +61,10 @@ class Request:
         sampling: SamplingConfig,
         drafter: Drafter | None,
         steps: StepPool[Slot] | None = None,
+        lengths: DraftLength | None = None,
     ) -> None:
         self.target = target
+        self.lengths = lengths  # how far to draft each step (None: as far as the block allows)
         self.drafter = drafter
         self.counters = EngineCounters()
         self.prompt = prompt_ids
@@ -151,12 +154,24 @@ class Request:
             self.counters.draft_s += time.perf_counter() - start
         return [self.last]
 
+    @property
+    def draft_limit(self) -> int:
+        """Drafts the next step may hold: what the block and ``max_new_tokens`` allow."""
+        block = self.drafter.block_size if self.drafter is not None else 1
+        return max(0, min(self.room, block - 1))
+
     def propose(self) -> Draft:
-        if self.session is None or self.room <= 0:
+        """A draft from the verified state, as long as the draft-length policy says (maybe none)."""
+        limit = self.draft_limit
+        if self.session is None or limit <= 0:
             return Draft(torch.zeros(0, dtype=torch.long, device=self.target.device))
+        wanted = self.lengths.choose(limit) if self.lengths is not None else limit
         start = time.perf_counter()
-        draft = self.session.propose(self.room)
-        self.counters.draft_s += time.perf_counter() - start
+        draft = self.session.propose(wanted)  # 0: the session drafts nothing, it only keeps up
+        seconds = time.perf_counter() - start
+        self.counters.draft_s += seconds
+        if self.lengths is not None and len(draft) > 0:
+            self.lengths.policy.record_draft(len(draft), seconds)
         return Draft(draft.tokens.to(self.target.device), draft.probs)
 
     def verify(self, draft: Draft) -> Verified:
@@ -190,6 +205,8 @@ class Request:
         outcome = Outcome(accepted, token, tuple(emitted[:-1]), kept)
         if self.session is not None:
             self.session.observe(outcome)
+        if self.lengths is not None:
+            self.lengths.record_outcome(len(draft), accepted)
         self.last = token
         self.generated += len(emitted)
         self.counters.steps += 1
@@ -202,5 +219,13 @@ class Request:
         before = self.counters.draft_s
         draft = self.propose()
         self.counters.wait_s += self.counters.draft_s - before  # drafting is all on the critical path
-        emitted, _ = self.settle(draft, self.verify(draft))
+        emitted, _ = self.check(draft)
         return emitted
+
+    def check(self, draft: Draft) -> tuple[list[int], Outcome]:
+        """Verify and settle ``draft`` at once (a serial step), timing it for the draft-length policy."""
+        start = time.perf_counter()
+        emitted, outcome = self.settle(draft, self.verify(draft))
+        if self.lengths is not None:  # settle read the result back: the time includes the device's
+            self.lengths.policy.record_verify(len(draft) + 1, time.perf_counter() - start)
+        return emitted, outcome
