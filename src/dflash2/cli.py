@@ -39,15 +39,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(f"Loading SmolLM2-135M-Instruct from {smollm2_gguf().name} (converted once, then cached) ...")
     plain = load(smollm2_gguf(), device=args.device)
     shipped = shipped_drafter()
-    # on a CPU the shipped drafter is fastest at block 4 (docs/benchmarks.md, "Serving at block 4")
-    block = 4 if plain.device.type == "cpu" else None
-    at = f", block {block}" if block else ""
-    drafters: dict[str, tuple[Any, int | None]] = {}
+    # how far each step drafts is chosen per step from measured acceptance and costs
+    # (docs/benchmarks.md, "The draft length chosen per step")
+    drafters: dict[str, Any] = {}
     if shipped is not None:
-        drafters[f"ngram + dflash (shipped{at})"] = (["ngram", shipped], block)
-        drafters[f"dflash (shipped{at})"] = (shipped, block)
-    drafters["ngram"] = ("ngram", None)
-    models = {name: plain.with_drafter(d, size) for name, (d, size) in drafters.items()}
+        drafters["ngram + dflash (shipped)"] = ["ngram", shipped]
+        drafters["dflash (shipped)"] = shipped
+    drafters["ngram"] = "ngram"
+    models = {name: plain.with_drafter(d) for name, d in drafters.items()}
     messages = [{"role": "user", "content": args.question}]
     options = {"max_new_tokens": args.max_new_tokens}
     for model in (plain, *models.values()):  # warm-up, not timed
