@@ -6,8 +6,10 @@ import gzip
 import json
 import math
 import re
+import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -256,3 +258,82 @@ def test_training_forward_is_the_serving_forward(target: Path) -> None:
         ahead = draft_logits(net, model, TrainingSequence(hypothesis, 1, features, hypothesis), blocks)[0].argmax(-1)
     assert int(ahead[0]) == pre.next_token
     assert ahead[1:4].tolist() == pre.draft.tokens.tolist()
+
+
+# ---------------------------------------------------------------- on-policy refinement
+
+
+def test_mix_anchors_replays_first_then_fills_with_random_ones() -> None:
+    from dflash2.train.objective import mix_anchors
+
+    uniform, replay = torch.tensor([3, 5, 8, 9, 12]), torch.tensor([9, 4, 4])
+    assert mix_anchors(uniform, replay, 4).tolist() == [3, 4, 5, 9]  # 4 and 9 replayed, 3 and 5 drawn
+    assert mix_anchors(uniform, torch.zeros(0, dtype=torch.long), 3).tolist() == [3, 5, 8]
+    assert mix_anchors(uniform, torch.arange(20, 30), 3).tolist() == [20, 21, 22]
+
+
+def test_onpolicy_runs_hold_only_what_the_drafter_proposed(target: Path) -> None:
+    from test_speculative import ScriptedDrafter
+
+    from dflash2.train.onpolicy import collect
+
+    plain = dflash2.load(target)
+    prompts = [plain.tokenizer(p).input_ids for p in ("def add(a, b):", "Once upon a time")]
+    answers = [list(plain.generate(p, max_new_tokens=30).token_ids) for p in ("def add(a, b):", "Once upon a time")]
+    proposals: list[list[int]] = []
+    drafter = ScriptedDrafter(answers[0], [3, 0, 5, 2, 1])
+    model = plain.with_drafter(drafter)
+    start = drafter.start
+
+    def recording(context: Any) -> Any:  # what the session really proposed, step by step
+        session = start(context)
+        propose = session.propose
+
+        def recorded(k: int) -> Any:
+            draft = propose(k)
+            proposals.append([int(t) for t in draft.tokens])
+            return draft
+
+        session.propose = recorded
+        return session
+
+    drafter.start = recording  # type: ignore[method-assign]
+    runs = collect(model, prompts[:1], Path(tempfile.mkdtemp()) / "onpolicy.jsonl", 30, progress=False)
+    run = runs[0]
+    assert run.response == answers[0]  # the target's own greedy answer
+    assert [list(s.proposed) for s in run.steps] == proposals
+    assert [s.accepted for s in run.steps[:5]] == [3, 0, 5, 2, 1]
+    text = run.prompt + run.response
+    for step in run.steps:  # each step drafted after the verified text and kept what greedy verification keeps
+        follows = text[step.anchor + 1 : step.anchor + 1 + len(step.proposed)]
+        assert list(step.proposed[: step.accepted]) == follows[: step.accepted]
+        assert step.accepted == len(step.proposed) or step.proposed[step.accepted] != follows[step.accepted]
+    assert [s.anchor for s in run.steps] == sorted({s.anchor for s in run.steps})
+    assert run.errors() == [s.anchor for s in run.steps if s.accepted < len(s.proposed)]
+
+
+@pytest.mark.timeout(600)
+def test_refining_a_drafter_on_its_own_steps(target: Path, tmp_path: Path) -> None:
+    from tiny import save_tiny_dflash
+
+    from dflash2.tokenize import encode_prompt
+    from dflash2.train.data import prompt_key
+    from dflash2.train.trainer import prompts_for
+
+    base = save_tiny_dflash(tmp_path / "base", block_size=4)
+    config = TrainConfig(
+        target=str(target), out=tmp_path / "run", samples=3, max_new_tokens=24, steps=4, anchors=8, accumulate=1,
+        refine=base, replay=0.5, device="cpu",
+    )  # fmt: skip
+    drafter = train_drafter(config, progress=False)
+    model = dflash2.load(target)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "data" / "onpolicy.jsonl").read_text().splitlines()]
+    corpus = [encode_prompt(model.tokenizer, p)[-config.max_prompt_tokens :] for p in prompts_for(config)]
+    assert [line["prompt"] for line in lines] == [prompt_key(ids) for ids in corpus]  # the training corpus only
+    assert json.loads((drafter / "config.json").read_text())["dflash_config"]["block_size"] == 4  # refined one's
+    log = json.loads((drafter / "training_log.json").read_text())
+    assert len(log) == 4 and all(math.isfinite(h["loss"]) for h in log)
+    reloaded = dflash2.load(target, drafter=drafter)
+    assert list(reloaded.generate("def f(x):", max_new_tokens=16).token_ids) == list(
+        model.generate("def f(x):", max_new_tokens=16).token_ids
+    )

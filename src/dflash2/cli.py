@@ -123,6 +123,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
         keep_every=args.keep_every,
         seed=args.seed,
         device=args.device,
+        refine=Path(args.refine) if args.refine else None,
+        replay=args.replay,
     )
     path = train_drafter(config, progress=not args.no_progress)
     print(f"drafter written to {path}; use it with dflash2.load(target, drafter={str(path)!r})")
@@ -197,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--keep-every", type=int, default=200, help="checkpoints kept for good (learning curves)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--device", default="auto")
+    train.add_argument(
+        "--refine",
+        default=None,
+        help="a DFlash drafter to refine on-policy: its own speculative steps on the prompts are the data",
+    )
+    train.add_argument(
+        "--replay", type=float, default=0.5, help="with --refine: share of anchors where its blocks were rejected"
+    )
     train.add_argument("--no-progress", action="store_true")
     train.set_defaults(func=cmd_train_drafter)
     return parser

@@ -57,6 +57,8 @@ class TrainConfig:
     keep_every: int = 200  # checkpoints kept for good (besides the last two), for learning curves
     seed: int = 0
     device: str = "auto"
+    refine: Path | None = None  # a drafter to refine on-policy (its own steps on the prompts) instead of a new one
+    replay: float = 0.5  # with refine: share of a sequence's anchors taken where that drafter's blocks were rejected
 
     def __post_init__(self) -> None:
         positive = ("samples", "max_new_tokens", "max_prompt_tokens", "generation_batch", "num_layers", "steps")
@@ -84,6 +86,10 @@ class TrainConfig:
             raise InvalidOptionError(f"greedy_share is a share of the prompts in [0, 1], got {self.greedy_share}.")
         if not 0.0 <= self.temperature <= 2.0:
             raise InvalidOptionError(f"temperature must be in [0, 2], got {self.temperature}.")
+        if not 0.0 <= self.replay <= 1.0:
+            raise InvalidOptionError(f"replay is a share of the anchors in [0, 1], got {self.replay}.")
+        if self.refine is not None and not (Path(self.refine) / "config.json").is_file():
+            raise InvalidOptionError(f"refine: {self.refine} is not a drafter directory (no config.json).")
         if not self.lr > 0 or not 0.0 <= self.warmup < 1.0:
             raise InvalidOptionError("lr must be > 0 and warmup a share of the steps in [0, 1).")
 

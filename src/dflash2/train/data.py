@@ -13,7 +13,7 @@ import hashlib
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,6 +38,8 @@ class TrainingSequence:
     prompt_len: int
     features: torch.Tensor
     greedy: torch.Tensor
+    # on-policy refinement: the anchors where the refined drafter's blocks were rejected
+    errors: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
 
 def generate_responses(

@@ -31,6 +31,14 @@ def sample_anchors(first: int, length: int, count: int, clean: int, generator: t
     return choices.sort().values
 
 
+def mix_anchors(uniform: torch.Tensor, replay: torch.Tensor, count: int) -> torch.Tensor:
+    """Up to ``count`` distinct anchors: every ``replay`` one first (the caller picks which), then
+    ``uniform`` ones, sorted."""
+    chosen = torch.unique(replay)[:count]
+    rest = uniform[~torch.isin(uniform, chosen)][: max(0, count - chosen.numel())]
+    return torch.cat([chosen, rest]).sort().values
+
+
 @dataclass(frozen=True)
 class Blocks:
     """Flattened training blocks of one sequence."""

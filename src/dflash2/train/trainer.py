@@ -12,6 +12,7 @@ import json
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -21,13 +22,29 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from dflash2.api import Model, load
-from dflash2.drafters.dflash import DRAFT_VOCAB_FILE, DFlashLayer, DFlashModel, DFlashSpec, ours_to_zlab
+from dflash2.drafters.dflash import (
+    DRAFT_VOCAB_FILE,
+    DFlashLayer,
+    DFlashModel,
+    DFlashSpec,
+    ours_to_zlab,
+    read_draft_vocab,
+)
 from dflash2.errors import DrafterError
 from dflash2.runtime.model import DecoderLayer, rms_norm
-from dflash2.train import corpus
+from dflash2.tokenize import encode_prompt
+from dflash2.train import corpus, onpolicy
 from dflash2.train.config import TrainConfig, spread_layers
 from dflash2.train.data import TrainingSequence, cache_features, generate_responses, load_sequences
-from dflash2.train.objective import Blocks, layout, position_weights, sample_anchors, visibility, weighted_loss
+from dflash2.train.objective import (
+    Blocks,
+    layout,
+    mix_anchors,
+    position_weights,
+    sample_anchors,
+    visibility,
+    weighted_loss,
+)
 from dflash2.train.vocab import covering_vocab
 
 _TARGET_KEYS = (
@@ -208,16 +225,52 @@ def prepare_data(target: Model, cfg: TrainConfig, layer_ids: Sequence[int], prog
     return load_sequences(files)
 
 
+def prepare_onpolicy(
+    target: Model, cfg: TrainConfig, layer_ids: Sequence[int], progress: bool
+) -> list[TrainingSequence]:
+    """The ``cfg.refine`` drafter's own runs on the prompts: the target's greedy answers, their
+    features, and the anchors where that drafter's blocks were rejected."""
+    assert cfg.refine is not None
+    data = cfg.out / "data"
+    drafted = target.with_drafter(str(cfg.refine))
+    prompts = [encode_prompt(target.tokenizer, p)[-cfg.max_prompt_tokens :] for p in prompts_for(cfg)]
+    runs = onpolicy.collect(drafted, prompts, data / "onpolicy.jsonl", cfg.max_new_tokens, progress)
+    pairs = [(run.prompt, run.response) for run in runs]
+    directory = data / f"features-onpolicy-{'-'.join(map(str, layer_ids))}"
+    files = cache_features(target, pairs, layer_ids, directory, progress)
+    sequences = load_sequences(files)
+    errors = [torch.tensor(runs[int(f.stem)].errors(), dtype=torch.long) for f in files]  # files are named by index
+    return [replace(seq, errors=e) for seq, e in zip(sequences, errors, strict=True)]
+
+
+def refined_drafter(spec: DFlashSpec, target: Model, checkpoint: Path) -> DFlashModel:
+    """The drafter at ``checkpoint`` as a trainable model."""
+    model = DFlashModel.from_zlab_state(
+        spec, load_file(str(checkpoint / "model.safetensors")), target.max_context + 128, torch.float32
+    )
+    return model.to(target.device).train().requires_grad_(True)
+
+
 def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
     """Run (or resume) a training; return the exported drafter directory."""
     target = load(cfg.target, device=cfg.device)
-    config = drafter_config(target, cfg)
+    if cfg.refine is not None:
+        config = json.loads((cfg.refine / "config.json").read_text())
+    else:
+        config = drafter_config(target, cfg)
     spec = DFlashSpec.from_config(config)
     spec.check_target(target.target)
-    sequences = prepare_data(target, cfg, spec.target_layer_ids, progress)
+    if cfg.refine is not None:  # what the loss weights and blocks need is the refined drafter's block
+        cfg = replace(cfg, block_size=spec.block_size)
+        sequences = prepare_onpolicy(target, cfg, spec.target_layer_ids, progress)
+    else:
+        sequences = prepare_data(target, cfg, spec.target_layer_ids, progress)
     if not sequences:
         raise DrafterError("no training sequences: every response was shorter than two tokens.")
-    model = new_drafter(spec, target, cfg.seed, cfg.init)
+    if cfg.refine is not None:
+        model = refined_drafter(spec, target, cfg.refine)
+    else:
+        model = new_drafter(spec, target, cfg.seed, cfg.init)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     checkpoints = _Checkpoints(cfg.out / "checkpoints", cfg.keep_every)
@@ -227,7 +280,10 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
         saved = checkpoints.restore(latest, model, optimizer)
         start, history = int(saved["step"]), list(saved.get("history", []))
     weights = position_weights(cfg.block_size, cfg.loss_gamma).to(target.device)
-    drafting = drafting_vocab(cfg, sequences, spec.vocab_size)
+    if cfg.refine is not None:  # the refined drafter keeps its drafting vocabulary
+        drafting = read_draft_vocab(cfg.refine)
+    else:
+        drafting = drafting_vocab(cfg, sequences, spec.vocab_size)
     fixed_index = None
     if drafting is not None:  # the softmax runs over exactly the tokens the drafter will draft
         drafting = drafting.to(target.device)
@@ -248,6 +304,10 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
             predraft = rng.random() < cfg.predraft
             clean = rng.randint(2, cfg.block_size) if predraft else 1
             anchors = sample_anchors(seq.prompt_len, seq.ids.shape[0], cfg.anchors, clean, generator)
+            if clean == 1 and seq.errors.numel() > 0 and cfg.replay > 0:  # where the refined drafter was wrong
+                valid = seq.errors[(seq.errors >= seq.prompt_len) & (seq.errors <= seq.ids.shape[0] - 2)]
+                picked = valid[torch.randperm(valid.numel(), generator=generator)][: round(cfg.replay * cfg.anchors)]
+                anchors = mix_anchors(anchors, picked, cfg.anchors)
             if anchors.numel() == 0:
                 continue
             follows = seq.greedy if cfg.labels == "greedy" else None
@@ -277,7 +337,10 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             checkpoints.save(step + 1, model, optimizer, {"history": history})
     bar.close()
-    return export(model, config, cfg.out / "drafter", history, drafting, cfg.draft_vocab_coverage)
+    coverage = cfg.draft_vocab_coverage
+    if cfg.refine is not None and drafting is not None:
+        coverage = float(json.loads((cfg.refine / DRAFT_VOCAB_FILE).read_text()).get("coverage", coverage))
+    return export(model, config, cfg.out / "drafter", history, drafting, coverage)
 
 
 def position_index(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
