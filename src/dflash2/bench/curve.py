@@ -17,6 +17,7 @@ from dflash2.api import Model
 from dflash2.bench.data import Prompt
 from dflash2.config import Pipeline
 from dflash2.drafters.dflash import DFlashSpec, load_dflash_drafter, ours_to_zlab
+from dflash2.engine.draft_length import DraftLengthPolicy
 from dflash2.stream import Stats
 
 
@@ -80,6 +81,7 @@ def acceptance_curve(
         tokens = int(sum(sum(h["labels"]) for h in state["history"]))
         tensors = ours_to_zlab(spec, load_file(str(path / "model.safetensors")))
         drafted = model.with_drafter(load_dflash_drafter(config, tensors, model.target, name=path.name))
+        drafted.lengths = DraftLengthPolicy(mode="fixed")  # whole blocks: what the drafter can draft
         for dataset in dict.fromkeys(p.dataset for p in prompts):
             result = _run_dataset(drafted, prompts, dataset, max_new_tokens, references, "sync")
             step = int(state["step"])
@@ -158,6 +160,7 @@ def predraft_hit_rates(
     for name, path in drafters.items():
         drafted = model.with_drafter(path)
         drafted.policy = OverlapPolicy(schedule="overlap")
+        drafted.lengths = DraftLengthPolicy(mode="fixed")
         for dataset in dict.fromkeys(p.dataset for p in prompts):
             result = _run_dataset(drafted, prompts, dataset, max_new_tokens, references, "async")
             steps, hits = sum(s.steps for s in result.stats), sum(s.predraft_hits for s in result.stats)

@@ -253,10 +253,11 @@ def sweep_main(
         )
     by_block: list[Point] = []
     if "block-size" in sweeps:
-        variants: dict[int, Runner] = {
-            size: DFlash2Runner(model.with_drafter(drafters[kind], size), f"{config}@{size}", pipeline=pipeline)
-            for size in _ints(args.block_sizes)
-        }
+        variants: dict[int, Runner] = {}
+        for size in _ints(args.block_sizes):  # whole blocks of each size: the sweep's question
+            sized = model.with_drafter(drafters[kind], size)
+            sized.lengths = DraftLengthPolicy(mode="fixed")
+            variants[size] = DFlash2Runner(sized, f"{config}@{size}", pipeline=pipeline)
         prompts = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
         by_block = block_size_sweep(reference, variants, model.tokenizer, prompts, args.max_new_tokens, progress)
 
