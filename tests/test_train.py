@@ -112,18 +112,27 @@ def test_data_cache_grows_and_never_mixes_prompts(target: Path, tmp_path: Path) 
     model = dflash2.load(target)
     path = tmp_path / "responses.jsonl"
 
-    def answer(prompts: list[str]) -> list[tuple[list[int], list[int]]]:
-        return generate_responses(model, prompts, path, 6, 32, 0.7, 1.0, 2, 0, progress=False)
+    def answer(prompts: list[str], part: tuple[int, int] = (0, 1), file: Path = path) -> list[Any]:
+        pairs = generate_responses(model, prompts, file, 6, 32, 0.7, 1.0, 2, 0, progress=False, part=part)
+        return [pairs.get(i) for i in range(len(prompts))]
 
     first = answer(["abc", "hello"])
     grown = answer(["abc", "hello", "xyz"])  # only the new prompt is answered
     assert grown[:2] == first and len(path.read_text().splitlines()) == 3
     with pytest.raises(dflash2.InvalidOptionError, match="other prompts"):
         answer(["abd", "hello"])
-    files = cache_features(model, grown, (0, 1), tmp_path / "f", progress=False)
+    files = cache_features(model, dict(enumerate(grown)), (0, 1), tmp_path / "f", progress=False)
     changed = [grown[0], (grown[1][0], [*grown[1][1][:-1], (grown[1][1][-1] + 1) % 64]), grown[2]]
-    again = load_sequences(cache_features(model, changed, (0, 1), tmp_path / "f", progress=False))
+    again = load_sequences(cache_features(model, dict(enumerate(changed)), (0, 1), tmp_path / "f", progress=False))
     assert len(files) == 3 and [q.ids.tolist() for q in again] == [p + r for p, r in changed]  # stale file redone
+    # two processes answer alternate prompts into files of their own; each then reads both
+    shared = tmp_path / "parts"
+    shared.mkdir()
+    prompts = ["abc", "hello", "xyz", "more"]
+    mine = answer(prompts, (1, 2), shared / "responses.rank1.jsonl")
+    assert [i for i, pair in enumerate(mine) if pair is not None] == [1, 3]
+    answer(prompts, (0, 2), shared / "responses.rank0.jsonl")
+    assert answer(prompts, (1, 2), shared / "responses.rank1.jsonl") == [*grown, answer(prompts)[3]]
 
 
 def test_prompts_file(tmp_path: Path) -> None:
@@ -227,7 +236,7 @@ def test_training_forward_is_the_serving_forward(target: Path) -> None:
     from dflash2.drafters.base import DraftContext
     from dflash2.drafters.dflash import DFlashDrafter, DFlashSpec
     from dflash2.train.data import TrainingSequence
-    from dflash2.train.trainer import draft_logits, drafter_config, new_drafter
+    from dflash2.train.trainer import batch_of, draft_logits, drafter_config, new_drafter
 
     model = dflash2.load(target)
     config = TrainConfig(target=str(target), out=Path("unused"), block_size=5, target_layer_ids=(0, 1))
@@ -250,14 +259,127 @@ def test_training_forward_is_the_serving_forward(target: Path) -> None:
     assert pre is not None
     seq = TrainingSequence(ids, 1, features, ids)
     with torch.no_grad():
-        plain = draft_logits(net, model, seq, layout(ids, torch.tensor([anchor]), 1, 5, spec.mask_token_id))
+        blocks = layout(ids, torch.tensor([anchor]), 1, 5, spec.mask_token_id)
+        plain = draft_logits(net, model, batch_of([seq], [blocks]))
         assert plain[0].argmax(-1).tolist() == proposal.tokens.tolist()
         # the pre-draft block [x, d_1 .. d_4, MASK x 4]: drafts as clean tokens, features before x
         hypothesis = torch.cat([ids[: anchor + 1], proposal.tokens, torch.zeros(8, dtype=torch.long)])
         blocks = layout(hypothesis, torch.tensor([anchor + k]), k + 1, 5, spec.mask_token_id)
-        ahead = draft_logits(net, model, TrainingSequence(hypothesis, 1, features, hypothesis), blocks)[0].argmax(-1)
+        ahead_seq = TrainingSequence(hypothesis, 1, features, hypothesis)
+        ahead = draft_logits(net, model, batch_of([ahead_seq], [blocks]))[0].argmax(-1)
     assert int(ahead[0]) == pre.next_token
     assert ahead[1:4].tolist() == pre.draft.tokens.tolist()
+
+
+def test_packed_blocks_see_only_their_own_sequence() -> None:
+    from dflash2.train.objective import pack
+
+    a = layout(torch.arange(100, 110), torch.tensor([3, 6]), 1, 3, 0)
+    b = layout(torch.arange(200, 206), torch.tensor([2]), 1, 3, 0)
+    merged, offsets = pack([a, b], [10, 6])
+    assert offsets.tolist() == [0, 0, 10] and merged.ids[:, 0].tolist() == [103, 106, 202]
+    seen = visibility(merged, 16, offsets)
+    assert seen[0, :16].tolist() == [True] * 3 + [False] * 13
+    assert seen[3, :16].tolist() == [True] * 6 + [False] * 10
+    assert seen[6, :16].tolist() == [False] * 10 + [True] * 2 + [False] * 4  # its own sequence's context
+    assert seen[6, 16:].tolist() == [False] * 6 + [True] * 3
+    assert torch.equal(visibility(a, 10), visibility(a, 10, torch.zeros(2, dtype=torch.long)))
+
+
+def test_packed_forward_equals_one_sequence_at_a_time(target: Path) -> None:
+    """Several sequences in one drafter forward give each one's own logits; online features (a
+    right-padded batch on the device) equal the cached ones."""
+    from dflash2.drafters.dflash import DFlashSpec
+    from dflash2.train.data import TrainingSequence, with_features
+    from dflash2.train.trainer import batch_of, draft_logits, drafter_config, new_drafter
+
+    model = dflash2.load(target)
+    config = TrainConfig(target=str(target), out=Path("unused"), block_size=4, target_layer_ids=(0, 1))
+    spec = DFlashSpec.from_config(drafter_config(model, config))
+    net = new_drafter(spec, model, seed=2).eval()
+    for p in net.parameters():
+        p.data.normal_(0, 0.3)
+    texts = ["the quick brown fox jumps", "hello world, hello", "abc abc abc abc abc abc"]
+    bare = [TrainingSequence(torch.tensor(model.tokenizer(t).input_ids), 3) for t in texts]
+    alone = [with_features(model, [seq], (0, 1))[0] for seq in bare]
+    together = with_features(model, bare, (0, 1))
+    for one, many in zip(alone, together, strict=True):
+        assert torch.allclose(one.features, many.features, atol=1e-5) and torch.equal(one.greedy, many.greedy)
+    parts = [layout(seq.ids, torch.tensor([4, 9]), 1, 4, spec.mask_token_id, seq.greedy) for seq in alone]
+    with torch.no_grad():
+        packed = draft_logits(net, model, batch_of(alone, parts))
+        single = torch.cat([draft_logits(net, model, batch_of([s], [b])) for s, b in zip(alone, parts, strict=True)])
+    assert torch.allclose(packed, single, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_device_training_path_online_bf16_batched_sharded(target: Path, tmp_path: Path) -> None:
+    """The GPU recipe run on the CPU: features on the fly, several sequences per forward, bf16
+    (target and autocast), a time limit, and a bf16 export in shards that loads back identically."""
+    config = TrainConfig(
+        target=str(target), out=tmp_path / "run", samples=4, max_new_tokens=24, generation_batch=4, block_size=4,
+        target_layer_ids=(0, 1), steps=6, anchors=8, accumulate=2, batch=3, features="online", precision="bf16",
+        export_dtype="bfloat16", max_shard_mib=0.05, lr=3e-3, device="cpu",
+    )  # fmt: skip
+    drafter = train_drafter(config, progress=False)
+    assert not list((config.out / "data").glob("features*"))  # nothing cached but the responses
+    log = json.loads((drafter / "training_log.json").read_text())
+    assert [h["step"] for h in log] == list(range(1, 7)) and all(math.isfinite(h["loss"]) for h in log)
+    assert sum(log[0]["labels"]) > 8  # blocks of several sequences in each micro-step
+    index = json.loads((drafter / "model.safetensors.index.json").read_text())
+    shards = sorted(drafter.glob("model-*.safetensors"))
+    assert len(shards) > 1 and set(index["weight_map"].values()) == {s.name for s in shards}
+    assert all(s.stat().st_size <= 0.05 * 2**20 + 4096 for s in shards)  # small tensors only in this tiny model
+    assert json.loads((drafter / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    model = dflash2.load(target)
+    loaded = load_drafter(drafter, model.target, model.tokenizer, None)
+    saved = load_file(str(config.out / "checkpoints" / "step-000006" / "model.safetensors"))
+    for name, tensor in loaded.model.state_dict().items():  # type: ignore[attr-defined]
+        assert torch.equal(tensor, saved[name].to(torch.bfloat16).float()), name
+    drafted = model.with_drafter(drafter)
+    prompt = "abc abc"
+    assert drafted.generate(prompt, max_new_tokens=24).token_ids == model.generate(prompt, max_new_tokens=24).token_ids
+
+    # a time limit stops the run after the step where it ran out, with a checkpoint and an export
+    late = train_drafter(replace(config, out=tmp_path / "late", steps=50, max_minutes=1e-6), progress=False)
+    assert len(json.loads((late / "training_log.json").read_text())) == 1
+    assert (tmp_path / "late" / "checkpoints" / "step-000001").is_dir()
+
+
+@pytest.mark.timeout(600)
+def test_data_parallel_training_with_torchrun(target: Path, tmp_path: Path) -> None:
+    """Two processes (gloo on the CPU) under torchrun: each answers half of the prompts, gradients
+    are averaged, the first process exports a drafter that loads back identically."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "ddp"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "dflash2.cli", "train-drafter", "--target", str(target), "--out", str(out), "--samples", "6",
+        "--max-new-tokens", "16", "--generation-batch", "2", "--block-size", "4", "--target-layer-ids", "0,1",
+        "--steps", "4", "--anchors", "8", "--accumulate", "2", "--checkpoint-every", "2", "--device", "cpu",
+        "--no-progress",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answered = {
+        f.name: [json.loads(line)["index"] for line in f.read_text().splitlines()]
+        for f in sorted((out / "data").glob("responses*.jsonl"))
+    }
+    assert {k: sorted(v) for k, v in answered.items()} == {
+        "responses.rank0.jsonl": [0, 2, 4], "responses.rank1.jsonl": [1, 3, 5]
+    }  # fmt: skip
+    drafter = out / "drafter"
+    log = json.loads((drafter / "training_log.json").read_text())
+    assert [h["step"] for h in log] == [1, 2, 3, 4] and all(math.isfinite(h["loss"]) for h in log)
+    model = dflash2.load(target)
+    loaded = load_drafter(drafter, model.target, model.tokenizer, None)
+    saved = load_file(str(out / "checkpoints" / "step-000004" / "model.safetensors"))
+    for name, tensor in loaded.model.state_dict().items():  # type: ignore[attr-defined]
+        assert torch.equal(tensor, saved[name]), name
 
 
 # ---------------------------------------------------------------- on-policy refinement
@@ -337,3 +459,43 @@ def test_refining_a_drafter_on_its_own_steps(target: Path, tmp_path: Path) -> No
     assert list(reloaded.generate("def f(x):", max_new_tokens=16).token_ids) == list(
         model.generate("def f(x):", max_new_tokens=16).token_ids
     )
+
+
+# ---------------------------------------------------------------- the GPU job, run small on the CPU
+
+
+def test_large_file_travels_in_checked_parts(tmp_path: Path) -> None:
+    from dflash2.bench.transfer import join, receive, split
+
+    original = tmp_path / "model.gguf"
+    original.write_bytes(bytes(range(256)) * 41)  # 10,496 bytes
+    parts = split(original, tmp_path / "parts", 4000)
+    assert [p.stat().st_size for p in parts] == [4000, 4000, 2496]
+    store = tmp_path / "device"
+    assert receive(tmp_path / "parts", store) == [p.name for p in parts]
+    (store / parts[2].name).unlink()
+    with pytest.raises(dflash2.CorruptCheckpointError, match="not received"):
+        join(store, tmp_path / "x")
+    assert receive(tmp_path / "parts", store) == [p.name for p in parts]
+    assert join(store, tmp_path / "rebuilt.gguf").read_bytes() == original.read_bytes()
+    (store / parts[1].name).write_bytes(b"\0" * 4000)  # damaged on the way
+    with pytest.raises(dflash2.CorruptCheckpointError, match="damaged"):
+        join(store, tmp_path / "again.gguf")
+    assert not (tmp_path / "again.gguf").exists()
+
+
+@pytest.mark.timeout(300)
+def test_gpu_training_job_runs_small_on_the_cpu(target: Path, tmp_path: Path) -> None:
+    from dflash2.bench.gpu_train import main
+
+    out = tmp_path / "out"
+    args = ["--target", str(target), "--out", str(out), "--work", str(tmp_path / "work"), "--samples", "4"]
+    small = ["--max-new-tokens", "12", "--batch", "2", "--steps", "3", "--target-layer-ids", "0,1", "--device", "cpu"]
+    assert main([*args, *small]) == 0
+    report = json.loads((out / "gpu_train.json").read_text())
+    assert report["prompts"] == 4 and report["tokens_generated"] > 4 and report["steps"] == 3
+    assert report["curve"][-1]["step"] == 3 and report["curve"][-1]["tokens"] > 0
+    assert {"config.json", "training_log.json"} <= set(report["files"]) <= {p.name for p in out.iterdir()}
+    model = dflash2.load(target)
+    drafted = model.with_drafter(out)
+    assert drafted.generate("abc", max_new_tokens=12).token_ids == model.generate("abc", max_new_tokens=12).token_ids

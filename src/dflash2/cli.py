@@ -125,6 +125,12 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
         device=args.device,
         refine=Path(args.refine) if args.refine else None,
         replay=args.replay,
+        features=args.features,
+        batch=args.batch,
+        precision=args.precision,
+        export_dtype=args.export_dtype,
+        max_shard_mib=args.max_shard_mib,
+        max_minutes=args.max_minutes,
     )
     path = train_drafter(config, progress=not args.no_progress)
     print(f"drafter written to {path}; use it with dflash2.load(target, drafter={str(path)!r})")
@@ -207,6 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--replay", type=float, default=0.5, help="with --refine: share of anchors where its blocks were rejected"
     )
+    train.add_argument(
+        "--features",
+        default="auto",
+        choices=["auto", "cache", "online"],
+        help="target features cached on disk, or computed each step on the device (auto: online on CUDA)",
+    )
+    train.add_argument("--batch", type=int, default=1, help="sequences packed into one drafter forward")
+    train.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: target + autocast")
+    train.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16"])
+    train.add_argument("--max-shard-mib", type=float, default=None, help="export in shards of at most this size")
+    train.add_argument("--max-minutes", type=float, default=None, help="stop training (and export) after this long")
     train.add_argument("--no-progress", action="store_true")
     train.set_defaults(func=cmd_train_drafter)
     return parser

@@ -57,12 +57,18 @@ class TrainConfig:
     keep_every: int = 200  # checkpoints kept for good (besides the last two), for learning curves
     seed: int = 0
     device: str = "auto"
+    features: str = "auto"  # "cache" (fp16 files under out/data) or "online" (each step, on the device)
+    batch: int = 1  # sequences packed into one drafter forward (each micro-step)
+    precision: str = "fp32"  # or "bf16": the target in bfloat16 and the drafter's forward under bf16 autocast
+    export_dtype: str = "float32"  # or "bfloat16": the exported weights (never affects exactness)
+    max_shard_mib: float | None = None  # export in safetensors shards of at most this size (MiB)
+    max_minutes: float | None = None  # stop training (checkpoint + export) this long after the start
     refine: Path | None = None  # a drafter to refine on-policy (its own steps on the prompts) instead of a new one
     replay: float = 0.5  # with refine: share of a sequence's anchors taken where that drafter's blocks were rejected
 
     def __post_init__(self) -> None:
         positive = ("samples", "max_new_tokens", "max_prompt_tokens", "generation_batch", "num_layers", "steps")
-        for name in (*positive, "anchors", "accumulate", "checkpoint_every", "keep_every"):
+        for name in (*positive, "batch", "anchors", "accumulate", "checkpoint_every", "keep_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidOptionError(f"{name} must be a positive int, got {value!r}.")
@@ -90,6 +96,16 @@ class TrainConfig:
             raise InvalidOptionError(f"replay is a share of the anchors in [0, 1], got {self.replay}.")
         if self.refine is not None and not (Path(self.refine) / "config.json").is_file():
             raise InvalidOptionError(f"refine: {self.refine} is not a drafter directory (no config.json).")
+        if self.features not in ("auto", "cache", "online"):
+            raise InvalidOptionError(f"features must be 'auto', 'cache' or 'online', got {self.features!r}.")
+        if self.precision not in ("fp32", "bf16"):
+            raise InvalidOptionError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}.")
+        if self.export_dtype not in ("float32", "bfloat16"):
+            raise InvalidOptionError(f"export_dtype must be 'float32' or 'bfloat16', got {self.export_dtype!r}.")
+        if self.max_shard_mib is not None and not self.max_shard_mib > 0:
+            raise InvalidOptionError(f"max_shard_mib must be > 0 (MiB) or None, got {self.max_shard_mib!r}.")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise InvalidOptionError(f"max_minutes must be > 0 or None, got {self.max_minutes!r}.")
         if not self.lr > 0 or not 0.0 <= self.warmup < 1.0:
             raise InvalidOptionError("lr must be > 0 and warmup a share of the steps in [0, 1).")
 

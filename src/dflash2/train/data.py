@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -36,8 +36,8 @@ class TrainingSequence:
 
     ids: torch.Tensor
     prompt_len: int
-    features: torch.Tensor
-    greedy: torch.Tensor
+    features: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # empty: computed when used
+    greedy: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     # on-policy refinement: the anchors where the refined drafter's blocks were rejected
     errors: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
@@ -53,29 +53,35 @@ def generate_responses(
     batch: int,
     seed: int,
     progress: bool = True,
-) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids) per prompt; cached in ``path`` and resumed from it.
+    part: tuple[int, int] = (0, 1),
+) -> dict[int, tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) by prompt index; cached in ``path`` and resumed from it.
 
     Greedy answers are the texts greedy decoding meets; sampled ones widen the contexts. Each
-    batch is greedy with probability ``greedy_share`` (seeded by its first prompt's index)."""
+    batch is greedy with probability ``greedy_share`` (seeded by its first prompt's index).
+    ``part = (rank, world)``: this process answers the prompts ``rank, rank + world, ...`` into
+    ``path``; answers already in ``path`` or beside it (``responses*.jsonl``: other processes')
+    count as done, so the result holds every prompt answered so far by anyone."""
     encoded = [encode_prompt(model.tokenizer, p)[-max_prompt_tokens:] for p in prompts]
     keys = [prompt_key(e) for e in encoded]
     done: dict[int, list[int]] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
+    for cached in sorted(path.parent.glob(f"{path.name.split('.')[0]}*{path.suffix}")):
+        for line in cached.read_text().splitlines():
             record = json.loads(line)
             index = int(record["index"])
             if index >= len(encoded):
                 continue
             if record.get("prompt", keys[index]) != keys[index]:
                 raise InvalidOptionError(
-                    f"{path} holds responses to other prompts (prompt {index} differs); "
+                    f"{cached} holds responses to other prompts (prompt {index} differs); "
                     "train with a new --out, or delete that file to answer these prompts."
                 )
             done[index] = [int(t) for t in record["response"]]
-    todo = sorted((i for i in range(len(encoded)) if i not in done), key=lambda i: len(encoded[i]))
+    rank, world = part
+    todo = sorted((i for i in range(rank, len(encoded), world) if i not in done), key=lambda i: len(encoded[i]))
     path.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(encoded), initial=len(done), disable=not progress, desc="self-distil", unit="prompt")
+    mine = len(range(rank, len(encoded), world))
+    bar = tqdm(total=mine, initial=mine - len(todo), disable=not progress, desc="self-distil", unit="prompt")
     with path.open("a") as sink:
         for start in range(0, len(todo), batch):
             chunk = todo[start : start + batch]
@@ -90,22 +96,22 @@ def generate_responses(
             sink.flush()
             bar.update(len(chunk))
     bar.close()
-    return [(encoded[i], done[i]) for i in range(len(encoded))]
+    return {i: (encoded[i], done[i]) for i in sorted(done)}
 
 
 @torch.inference_mode()
 def cache_features(
     model: Model,
-    pairs: Sequence[tuple[list[int], list[int]]],
+    pairs: Mapping[int, tuple[list[int], list[int]]],
     layer_ids: Sequence[int],
     directory: Path,
     progress: bool = True,
 ) -> list[Path]:
-    """Teacher-forced target features of every sequence, one file each; files that already hold
-    their sequence are kept, others (re)computed."""
+    """Teacher-forced target features of every sequence, one file each (named by its index);
+    files that already hold their sequence are kept, others (re)computed."""
     directory.mkdir(parents=True, exist_ok=True)
     files = []
-    for index, (prompt, response) in enumerate(tqdm(pairs, disable=not progress, desc="features", unit="seq")):
+    for index, (prompt, response) in tqdm(pairs.items(), disable=not progress, desc="features", unit="seq"):
         file = directory / f"{index:05d}.safetensors"
         files.append(file)
         if len(response) < 2:  # nothing to learn from; a stale file of another sequence goes
@@ -113,20 +119,31 @@ def cache_features(
             continue
         if _holds(file, prompt + response):
             continue
-        ids = torch.tensor([prompt + response], device=model.device)
-        cache = model.target.new_cache(ids.shape[1])
-        out = model.target(ids, cache, logits="all", capture=tuple(layer_ids))
-        assert out.hidden is not None and out.logits is not None
-        save_file(
-            {
-                "ids": ids[0].cpu(),
-                "prompt_len": torch.tensor([len(prompt)]),
-                "features": out.hidden[0].to(torch.float16).cpu().contiguous(),
-                "greedy": out.logits[0].argmax(-1).cpu(),
-            },
-            str(file),
-        )
+        ids = torch.tensor(prompt + response)
+        [seq] = with_features(model, [TrainingSequence(ids, len(prompt))], layer_ids)
+        tensors = {"ids": ids, "prompt_len": torch.tensor([len(prompt)]), "greedy": seq.greedy.cpu()}
+        save_file({**tensors, "features": seq.features.to(torch.float16).cpu().contiguous()}, str(file))
     return [f for f in files if f.is_file()]
+
+
+@torch.no_grad()  # not inference mode: the features enter the drafter's autograd graph
+def with_features(
+    model: Model, sequences: Sequence[TrainingSequence], layer_ids: Sequence[int]
+) -> list[TrainingSequence]:
+    """``sequences`` with their teacher-forced target features and argmax, in one right-padded
+    forward on the target's device (causal attention: the padding changes nothing before it)."""
+    width = max(seq.ids.shape[0] for seq in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : seq.ids.shape[0]] = seq.ids
+    cache = model.target.new_cache(width, batch=len(sequences))
+    out = model.target(ids.to(model.device), cache, logits="all", capture=tuple(layer_ids))
+    assert out.hidden is not None and out.logits is not None
+    greedy = out.logits.argmax(-1)
+    return [
+        replace(seq, features=out.hidden[row, : seq.ids.shape[0]], greedy=greedy[row, : seq.ids.shape[0]])
+        for row, seq in enumerate(sequences)
+    ]
 
 
 def prompt_key(prompt_ids: Sequence[int]) -> str:

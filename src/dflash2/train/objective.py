@@ -75,14 +75,29 @@ def layout(
     return Blocks(ids, positions, starts, labels)
 
 
-def visibility(blocks: Blocks, context: int) -> torch.Tensor:
-    """Bool [A * L, context + A * L]: each block sees context positions before its start and itself."""
+def visibility(blocks: Blocks, context: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool [A * L, context + A * L]: each block sees context positions before its start and itself.
+
+    Packed sequences (several in one forward): ``offsets`` [A] is the first context column of each
+    block's own sequence; a block sees the columns ``offsets .. offsets + start - 1`` only.
+    """
     a, width = blocks.ids.shape
-    ctx = torch.arange(context)[None, :] < blocks.starts[:, None]  # [A, C]
+    low = torch.zeros_like(blocks.starts) if offsets is None else offsets
+    column = torch.arange(context)[None, :]
+    ctx = (column >= low[:, None]) & (column < low[:, None] + blocks.starts[:, None])  # [A, C]
     ctx = ctx.repeat_interleave(width, dim=0)  # [A * L, C]
     owner = torch.arange(a).repeat_interleave(width)
     own = owner[:, None] == owner[None, :]  # [A * L, A * L]
     return torch.cat([ctx, own], dim=1)
+
+
+def pack(parts: list[Blocks], lengths: list[int]) -> tuple[Blocks, torch.Tensor]:
+    """The blocks of several sequences as one (their contexts concatenated, of ``lengths``), and
+    each block's context offset for ``visibility``."""
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    offsets = torch.cat([starts[i].expand(b.starts.shape[0]) for i, b in enumerate(parts)])
+    merged = Blocks(*(torch.cat([getattr(b, f) for b in parts]) for f in ("ids", "positions", "starts", "labels")))
+    return merged, offsets
 
 
 def weighted_loss(

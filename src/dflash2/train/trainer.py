@@ -8,17 +8,22 @@ resumes from the latest one. The result is exported in the z-lab format to ``out
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import random
+import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import load_file, save_file
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from dflash2.api import Model, load
@@ -31,15 +36,19 @@ from dflash2.drafters.dflash import (
     read_draft_vocab,
 )
 from dflash2.errors import DrafterError
+from dflash2.runtime.device import resolve_device
+from dflash2.runtime.loader import load_safetensors
 from dflash2.runtime.model import DecoderLayer, rms_norm
 from dflash2.tokenize import encode_prompt
-from dflash2.train import corpus, onpolicy
+from dflash2.train import corpus, distributed, onpolicy
 from dflash2.train.config import TrainConfig, spread_layers
-from dflash2.train.data import TrainingSequence, cache_features, generate_responses, load_sequences
+from dflash2.train.data import TrainingSequence, cache_features, generate_responses, load_sequences, with_features
+from dflash2.train.distributed import Group
 from dflash2.train.objective import (
     Blocks,
     layout,
     mix_anchors,
+    pack,
     position_weights,
     sample_anchors,
     visibility,
@@ -120,28 +129,58 @@ def _copy_target_layers(model: DFlashModel, target: Model) -> None:
         mine.post_attention_layernorm.copy_(theirs.mlp_norm)
 
 
-def draft_logits(
-    model: DFlashModel, target: Model, seq: TrainingSequence, blocks: Blocks, vocab: torch.Tensor | None = None
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class Batch:
+    """Training blocks of one or more sequences packed into one drafter forward."""
+
+    features: torch.Tensor  # [N, F] the sequences' context features, concatenated
+    context_positions: torch.Tensor  # [N] each feature's position in its own sequence
+    blocks: Blocks
+    offsets: torch.Tensor  # [A] first feature row of each block's sequence
+
+
+def batch_of(sequences: Sequence[TrainingSequence], parts: Sequence[Blocks]) -> Batch:
+    """Pack ``parts[i]``, the blocks of ``sequences[i]``, into one ``Batch``."""
+    lengths = [seq.features.shape[0] for seq in sequences]
+    blocks, offsets = pack(list(parts), lengths)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    features = sequences[0].features if len(sequences) == 1 else torch.cat([seq.features for seq in sequences])
+    return Batch(features, positions, blocks, offsets)
+
+
+def draft_logits(model: DFlashModel, target: Model, batch: Batch, vocab: torch.Tensor | None = None) -> torch.Tensor:
     """Drafter logits [A, B - 1, vocab] of the masked positions of every block, in one forward.
 
     ``vocab`` (ids) restricts the LM head to those rows (a sampled softmax; see ``TrainConfig``).
     """
-    spec, device = model.spec, model.device
+    spec, device, blocks = model.spec, model.device, batch.blocks
     a, width = blocks.ids.shape
-    context = model.project_context(seq.features[None].to(device=device, dtype=model.dtype))
+    context = model.project_context(batch.features[None].to(device=device, dtype=model.dtype))
     n = context.shape[1]
     x = target.target.embed(blocks.ids.to(device)).reshape(1, a * width, -1) * spec.input_embedding_scale
     q_pos = blocks.positions.flatten().to(device)
     rope_q = model.rope.at(q_pos)
-    rope_k = model.rope.at(torch.cat([torch.arange(n, device=device), q_pos]))
-    mask = visibility(blocks, n).to(device)
+    rope_k = model.rope.at(torch.cat([batch.context_positions.to(device), q_pos]))
+    mask = visibility(blocks, n, batch.offsets).to(device)
     for i, layer in enumerate(model.layers):
         x = layer(x, context, rope_q, rope_k, None, i, mask)
     hidden = rms_norm(x, model.norm, spec.rms_norm_eps).view(a, width, -1)[:, width - spec.block_size + 1 :]
     if vocab is None:
         return model.logits(hidden, target.target.lm_head)
     return F.linear(hidden, target.target.lm_head.weight[vocab]) * spec.output_multiplier
+
+
+class _Drafting(torch.nn.Module):
+    """``draft_logits`` as a module's forward, so that ``DistributedDataParallel`` can wrap it;
+    the frozen target is held outside the module's parameters."""
+
+    def __init__(self, drafter: DFlashModel, target: Model) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self._target = (target,)
+
+    def forward(self, batch: Batch, vocab: torch.Tensor | None) -> torch.Tensor:
+        return draft_logits(self.drafter, self._target[0], batch, vocab)
 
 
 def sampled_vocab(data_ids: torch.Tensor, size: int, negatives: int, generator: torch.Generator) -> torch.Tensor:
@@ -207,66 +246,116 @@ def prompts_for(cfg: TrainConfig) -> list[corpus.Prompt]:
     return corpus.default_corpus(cfg.samples, seed=cfg.seed)
 
 
-def prepare_data(target: Model, cfg: TrainConfig, layer_ids: Sequence[int], progress: bool) -> list[TrainingSequence]:
+def prepare_data(
+    target: Model, cfg: TrainConfig, layer_ids: Sequence[int], group: Group, progress: bool
+) -> list[TrainingSequence]:
+    """Every training sequence; with cached features they are loaded, online they come without."""
     data = cfg.out / "data"
-    pairs = generate_responses(
+    answer = functools.partial(
+        generate_responses,
         target,
         prompts_for(cfg),
-        data / "responses.jsonl",
+        data / ("responses.jsonl" if group.world == 1 else f"responses.rank{group.rank}.jsonl"),
         cfg.max_new_tokens,
         cfg.max_prompt_tokens,
         cfg.temperature,
         cfg.greedy_share,
         cfg.generation_batch,
         cfg.seed,
-        progress,
     )
-    files = cache_features(target, pairs, layer_ids, data / f"features-{'-'.join(map(str, layer_ids))}", progress)
-    return load_sequences(files)
+    pairs = answer(progress, (group.rank, group.world))
+    group.barrier()
+    if group.world > 1:  # every process's answers, now that all are written
+        pairs = answer(False, (group.rank, group.world))
+    return _sequences(target, cfg, pairs, layer_ids, "features", group, progress)
+
+
+def _sequences(
+    target: Model,
+    cfg: TrainConfig,
+    pairs: dict[int, tuple[list[int], list[int]]],
+    layer_ids: Sequence[int],
+    name: str,
+    group: Group,
+    progress: bool,
+) -> list[TrainingSequence]:
+    """The sequences of ``pairs`` (in index order): online, as they are; otherwise with their
+    features, cached under ``out/data/<name>-<layers>`` (each process caching its share)."""
+    if _online(cfg):
+        kept = [(p, r) for p, r in pairs.values() if len(r) >= 2]
+        return [TrainingSequence(torch.tensor(p + r), len(p)) for p, r in kept]
+    directory = cfg.out / "data" / f"{name}-{'-'.join(map(str, layer_ids))}"
+    mine = {i: pair for i, pair in pairs.items() if i % group.world == group.rank}
+    cache_features(target, mine, layer_ids, directory, progress)
+    group.barrier()
+    files = [directory / f"{i:05d}.safetensors" for i in pairs]
+    return load_sequences([f for f in files if f.is_file()])
+
+
+def _online(cfg: TrainConfig) -> bool:
+    """Whether features are computed on the fly (``features="online"``, or ``"auto"`` on CUDA)."""
+    if cfg.features == "auto":
+        return resolve_device(cfg.device).type == "cuda"
+    return cfg.features == "online"
 
 
 def prepare_onpolicy(
-    target: Model, cfg: TrainConfig, layer_ids: Sequence[int], progress: bool
+    target: Model, cfg: TrainConfig, layer_ids: Sequence[int], group: Group, progress: bool
 ) -> list[TrainingSequence]:
     """The ``cfg.refine`` drafter's own runs on the prompts: the target's greedy answers, their
-    features, and the anchors where that drafter's blocks were rejected."""
+    features, and the anchors where that drafter's blocks were rejected (collected by the first
+    process)."""
     assert cfg.refine is not None
-    data = cfg.out / "data"
     drafted = target.with_drafter(str(cfg.refine))
     prompts = [encode_prompt(target.tokenizer, p)[-cfg.max_prompt_tokens :] for p in prompts_for(cfg)]
-    runs = onpolicy.collect(drafted, prompts, data / "onpolicy.jsonl", cfg.max_new_tokens, progress)
-    pairs = [(run.prompt, run.response) for run in runs]
-    directory = data / f"features-onpolicy-{'-'.join(map(str, layer_ids))}"
-    files = cache_features(target, pairs, layer_ids, directory, progress)
-    sequences = load_sequences(files)
-    errors = [torch.tensor(runs[int(f.stem)].errors(), dtype=torch.long) for f in files]  # files are named by index
+    record = cfg.out / "data" / "onpolicy.jsonl"
+    if group.main:
+        onpolicy.collect(drafted, prompts, record, cfg.max_new_tokens, progress)
+    group.barrier()
+    runs = onpolicy.collect(drafted, prompts, record, cfg.max_new_tokens, False)  # every run is recorded now
+    usable = {i: (run.prompt, run.response) for i, run in enumerate(runs) if len(run.response) >= 2}
+    sequences = _sequences(target, cfg, usable, layer_ids, "features-onpolicy", group, progress)
+    errors = [torch.tensor(runs[i].errors(), dtype=torch.long) for i in usable]
     return [replace(seq, errors=e) for seq, e in zip(sequences, errors, strict=True)]
 
 
 def refined_drafter(spec: DFlashSpec, target: Model, checkpoint: Path) -> DFlashModel:
     """The drafter at ``checkpoint`` as a trainable model."""
-    model = DFlashModel.from_zlab_state(
-        spec, load_file(str(checkpoint / "model.safetensors")), target.max_context + 128, torch.float32
-    )
+    model = DFlashModel.from_zlab_state(spec, load_safetensors(checkpoint), target.max_context + 128, torch.float32)
     return model.to(target.device).train().requires_grad_(True)
 
 
 def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
-    """Run (or resume) a training; return the exported drafter directory."""
-    target = load(cfg.target, device=cfg.device)
+    """Run (or resume) a training; return the exported drafter directory.
+
+    Under ``torchrun`` each process answers and trains on its share of the prompts, gradients are
+    averaged across processes and the first one writes checkpoints and the export."""
+    group = distributed.join(cfg.device)
+    try:
+        return _train(cfg, group, progress and group.main)
+    finally:
+        distributed.leave(group)
+
+
+def _train(cfg: TrainConfig, group: Group, progress: bool) -> Path:
+    started = time.monotonic()  # max_minutes counts from here: loading and data included
+    dtype = "bfloat16" if cfg.precision == "bf16" else "auto"
+    target = load(cfg.target, device=group.device(cfg.device), dtype=dtype)
     if cfg.refine is not None:
         config = json.loads((cfg.refine / "config.json").read_text())
     else:
         config = drafter_config(target, cfg)
     spec = DFlashSpec.from_config(config)
     spec.check_target(target.target)
+    layer_ids = spec.target_layer_ids
     if cfg.refine is not None:  # what the loss weights and blocks need is the refined drafter's block
         cfg = replace(cfg, block_size=spec.block_size)
-        sequences = prepare_onpolicy(target, cfg, spec.target_layer_ids, progress)
+        sequences = prepare_onpolicy(target, cfg, layer_ids, group, progress)
     else:
-        sequences = prepare_data(target, cfg, spec.target_layer_ids, progress)
+        sequences = prepare_data(target, cfg, layer_ids, group, progress)
     if not sequences:
         raise DrafterError("no training sequences: every response was shorter than two tokens.")
+    mine = sequences[group.rank :: group.world] or sequences
     if cfg.refine is not None:
         model = refined_drafter(spec, target, cfg.refine)
     else:
@@ -279,6 +368,9 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
     if latest is not None:
         saved = checkpoints.restore(latest, model, optimizer)
         start, history = int(saved["step"]), list(saved.get("history", []))
+    drafting_net: torch.nn.Module = _Drafting(model, target)
+    if group.world > 1:  # gradients averaged across processes (the module's device: no device_ids)
+        drafting_net = DistributedDataParallel(drafting_net)
     weights = position_weights(cfg.block_size, cfg.loss_gamma).to(target.device)
     if cfg.refine is not None:  # the refined drafter keeps its drafting vocabulary
         drafting = read_draft_vocab(cfg.refine)
@@ -290,57 +382,97 @@ def train_drafter(cfg: TrainConfig, progress: bool = True) -> Path:
         fixed_index = position_index(drafting, spec.vocab_size)
     sampled = drafting is None and cfg.negatives >= 0
     data_ids = torch.unique(torch.cat([q.ids for q in sequences])) if sampled else None
-    rng = random.Random(cfg.seed * 1_000_003 + start)
-    generator = torch.Generator().manual_seed(cfg.seed * 7_919 + start)
+    rng = random.Random(cfg.seed * 1_000_003 + start + 7_919 * group.rank)
+    generator = torch.Generator().manual_seed(cfg.seed * 7_919 + start + 104_729 * group.rank)
+    online = _online(cfg)
+    autocast = torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+    began = time.monotonic()
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress, desc="train")
     for step in bar:
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * _lr_factor(step, cfg.steps, cfg.warmup)
-        correct = torch.zeros(cfg.block_size - 1)
-        counted = torch.zeros(cfg.block_size - 1)
-        total_loss = 0.0
-        for _ in range(cfg.accumulate):
-            seq = sequences[rng.randrange(len(sequences))]
-            predraft = rng.random() < cfg.predraft
-            clean = rng.randint(2, cfg.block_size) if predraft else 1
-            anchors = sample_anchors(seq.prompt_len, seq.ids.shape[0], cfg.anchors, clean, generator)
-            if clean == 1 and seq.errors.numel() > 0 and cfg.replay > 0:  # where the refined drafter was wrong
+        for group_ in optimizer.param_groups:
+            group_["lr"] = cfg.lr * _lr_factor(step, cfg.steps, cfg.warmup)
+        tally = torch.zeros(2 * (cfg.block_size - 1) + 1, device=target.device)  # correct, counted, loss
+        for micro in range(cfg.accumulate):
+            picked = [mine[rng.randrange(len(mine))] for _ in range(cfg.batch)]
+            if online:
+                picked = with_features(target, picked, layer_ids)
+            batch = _blocks(cfg, spec.mask_token_id, picked, rng, generator)
+            labels = batch.blocks.labels.to(target.device)
+            if drafting is not None and fixed_index is not None:  # labels outside it are not learnt
+                labels = torch.where(labels >= 0, fixed_index[labels.clamp(min=0)], labels)
+                vocab: torch.Tensor | None = drafting
+            elif data_ids is not None:  # labels as positions in the sampled vocabulary
+                vocab = sampled_vocab(data_ids, spec.vocab_size, cfg.negatives, generator).to(target.device)
+                index = position_index(vocab, spec.vocab_size)
+                labels = torch.where(labels >= 0, index[labels.clamp(min=0)], labels)
+            else:
+                vocab = None
+            last = micro + 1 == cfg.accumulate
+            sync = contextlib.nullcontext() if last or group.world == 1 else drafting_net.no_sync()  # type: ignore[operator]
+            with sync:
+                with autocast:
+                    logits = drafting_net(batch, vocab)
+                    loss, c, n = weighted_loss(logits, labels, weights)
+                (loss / cfg.accumulate).backward()  # type: ignore[no-untyped-call]
+            tally += torch.cat([c, n, (loss.detach() / cfg.accumulate)[None]])
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        over_time = cfg.max_minutes is not None and time.monotonic() - started > 60 * cfg.max_minutes
+        tally = group.sum(torch.cat([tally, torch.tensor([float(over_time)], device=tally.device)])).cpu()
+        k = cfg.block_size - 1
+        correct, counted, total_loss = tally[:k], tally[k : 2 * k], float(tally[2 * k]) / group.world
+        accuracy = (correct / counted.clamp(min=1)).tolist()
+        seconds = round(time.monotonic() - began, 3)  # since this run (or resumption) began training
+        history.append(
+            {"step": step + 1, "loss": total_loss, "accuracy": accuracy, "labels": counted.tolist(), "seconds": seconds}
+        )
+        bar.set_postfix(loss=f"{total_loss:.3f}", acc=" ".join(f"{a:.2f}" for a in accuracy[:4]))
+        stop = float(tally[-1]) > 0  # any process out of time: all stop at this step
+        if group.main and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps or stop):
+            checkpoints.save(step + 1, model, optimizer, {"history": history})
+        if stop:
+            break
+    bar.close()
+    coverage = cfg.draft_vocab_coverage
+    if cfg.refine is not None and drafting is not None:
+        coverage = float(json.loads((cfg.refine / DRAFT_VOCAB_FILE).read_text()).get("coverage", coverage))
+    directory = cfg.out / "drafter"
+    if group.main:
+        dtype_out = torch.bfloat16 if cfg.export_dtype == "bfloat16" else torch.float32
+        export(model, config, directory, history, drafting, coverage, dtype_out, cfg.max_shard_mib)
+    group.barrier()
+    return directory
+
+
+def _blocks(
+    cfg: TrainConfig,
+    mask_id: int,
+    sequences: Sequence[TrainingSequence],
+    rng: random.Random,
+    generator: torch.Generator,
+) -> Batch:
+    """Random training blocks of ``sequences`` (all plain, or all pre-draft layouts with the same
+    number of clean tokens) packed into one ``Batch``; a sequence too short for a pre-draft is left
+    out, and if all are, the blocks are plain ones (every sequence has at least one of those)."""
+    predraft = rng.random() < cfg.predraft
+    clean = rng.randint(2, cfg.block_size) if predraft else 1
+    for layout_clean in (clean, 1):
+        kept, parts = [], []
+        for seq in sequences:
+            anchors = sample_anchors(seq.prompt_len, seq.ids.shape[0], cfg.anchors, layout_clean, generator)
+            if layout_clean == 1 and seq.errors.numel() > 0 and cfg.replay > 0:  # where the refined drafter was wrong
                 valid = seq.errors[(seq.errors >= seq.prompt_len) & (seq.errors <= seq.ids.shape[0] - 2)]
                 picked = valid[torch.randperm(valid.numel(), generator=generator)][: round(cfg.replay * cfg.anchors)]
                 anchors = mix_anchors(anchors, picked, cfg.anchors)
             if anchors.numel() == 0:
                 continue
             follows = seq.greedy if cfg.labels == "greedy" else None
-            blocks = layout(seq.ids, anchors, clean, cfg.block_size, spec.mask_token_id, follows)
-            labels = blocks.labels.to(target.device)
-            if drafting is not None and fixed_index is not None:  # labels outside it are not learnt
-                labels = torch.where(labels >= 0, fixed_index[labels.clamp(min=0)], labels)
-                logits = draft_logits(model, target, seq, blocks, drafting)
-            elif data_ids is not None:  # labels as positions in the sampled vocabulary
-                vocab = sampled_vocab(data_ids, spec.vocab_size, cfg.negatives, generator).to(target.device)
-                index = position_index(vocab, spec.vocab_size)
-                labels = torch.where(labels >= 0, index[labels.clamp(min=0)], labels)
-                logits = draft_logits(model, target, seq, blocks, vocab)
-            else:
-                logits = draft_logits(model, target, seq, blocks)
-            loss, c, n = weighted_loss(logits, labels, weights)
-            (loss / cfg.accumulate).backward()  # type: ignore[no-untyped-call]
-            total_loss += float(loss.detach()) / cfg.accumulate
-            correct += c.cpu()
-            counted += n.cpu()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        accuracy = (correct / counted.clamp(min=1)).tolist()
-        history.append({"step": step + 1, "loss": total_loss, "accuracy": accuracy, "labels": counted.tolist()})
-        bar.set_postfix(loss=f"{total_loss:.3f}", acc=" ".join(f"{a:.2f}" for a in accuracy[:4]))
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            checkpoints.save(step + 1, model, optimizer, {"history": history})
-    bar.close()
-    coverage = cfg.draft_vocab_coverage
-    if cfg.refine is not None and drafting is not None:
-        coverage = float(json.loads((cfg.refine / DRAFT_VOCAB_FILE).read_text()).get("coverage", coverage))
-    return export(model, config, cfg.out / "drafter", history, drafting, coverage)
+            kept.append(seq)
+            parts.append(layout(seq.ids, anchors, layout_clean, cfg.block_size, mask_id, follows))
+        if parts:
+            return batch_of(kept, parts)
+    raise DrafterError("a training sequence has no block to learn (responses shorter than two tokens).")
 
 
 def position_index(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -354,8 +486,10 @@ def drafting_vocab(cfg: TrainConfig, sequences: Sequence[TrainingSequence], voca
     """The tokens making up ``cfg.draft_vocab_coverage`` of the labels (``None`` at coverage 1)."""
     if cfg.draft_vocab_coverage >= 1.0:
         return None
-    greedy = cfg.labels == "greedy"
-    labels = (q.greedy[q.prompt_len - 1 : -1] if greedy else q.ids[q.prompt_len :] for q in sequences)
+    greedy = cfg.labels == "greedy"  # online features: the argmax is not known yet, the responses stand in
+    labels = (
+        q.greedy[q.prompt_len - 1 : -1] if greedy and q.greedy.numel() else q.ids[q.prompt_len :] for q in sequences
+    )
     return covering_vocab(labels, vocab_size, cfg.draft_vocab_coverage)
 
 
@@ -366,12 +500,26 @@ def export(
     history: list[dict[str, Any]],
     vocab: torch.Tensor | None = None,
     coverage: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_mib: float | None = None,
 ) -> Path:
-    """Write the drafter in the z-lab format (``config.json`` + ``model.safetensors``), and its
+    """Write the drafter in the z-lab format (``config.json`` + ``model.safetensors``, in ``dtype``;
+    sharded with a ``model.safetensors.index.json`` when larger than ``max_shard_mib``), and its
     drafting vocabulary (``draft_vocab.json``, read by dflash2 only) when there is one."""
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    save_file(ours_to_zlab(model.spec, state), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    for stale in (*directory.glob("model*.safetensors"), directory / "model.safetensors.index.json"):
+        stale.unlink(missing_ok=True)
+    ours = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    state = ours_to_zlab(model.spec, ours)
+    limit = round(max_shard_mib * 2**20) if max_shard_mib is not None else 2**50
+    pattern = "model{suffix}.safetensors"
+    split = split_torch_state_dict_into_shards(state, filename_pattern=pattern, max_shard_size=limit)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: state[name] for name in names}, str(directory / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (directory / "training_log.json").write_text(json.dumps(history) + "\n")
     vocab_file = directory / DRAFT_VOCAB_FILE
