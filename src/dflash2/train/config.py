@@ -25,7 +25,10 @@ class TrainConfig:
     that make up ``draft_vocab_coverage`` of the labels (a smaller LM head), and the training
     softmax runs over exactly those tokens. With coverage 1.0 (every token draftable) it runs over
     the tokens of the data plus ``negatives`` random others per step (the LM head is most of a CPU
-    step), or over the whole vocabulary with -1.
+    step), or over the whole vocabulary with -1. On a GPU: ``features="online"`` (the target's
+    features computed each step instead of cached), ``batch`` sequences per forward,
+    ``precision="bf16"``; ``max_minutes`` bounds the run; ``export_dtype`` and ``max_shard_mib``
+    shape the export. Under ``torchrun`` the processes share the prompts and average gradients.
     """
 
     target: str
