@@ -23,6 +23,7 @@ from dflash2.train import TrainConfig, spread_layers, train_drafter
 from dflash2.train.corpus import chat_prompts, code_prompts, default_corpus, load_prompts
 from dflash2.train.generate import generate_batch
 from dflash2.train.objective import layout, position_weights, sample_anchors, visibility
+from dflash2.train.realistic import completions, stubs, users_corpus
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,28 @@ def test_block_layout_and_visibility() -> None:
     assert spread_layers(30, 5) == (1, 8, 14, 20, 27)
 
 
+def test_users_corpus_is_real_code_stubs_and_requests_seeded_and_a_prefix() -> None:
+    import ast
+
+    corpus = users_corpus(2000, seed=1)
+    assert corpus == users_corpus(2500, seed=1)[:2000] and corpus != users_corpus(2000, seed=2)
+    assert len({json.dumps(p) for p in corpus}) == 2000
+    cut = completions()[0]
+    assert cut.startswith("def ") and len(cut.splitlines()) >= 2  # a real function, cut inside its body
+    made = [s for s in stubs() if s.startswith("def clamp_all(")]
+    assert made and ">>> clamp_all(" in made[0]
+    example = made[0].split(">>> ")[1].split("\n")
+    call, shown = example[0], example[1].strip()
+    values, low, high = ast.literal_eval(call.removeprefix("clamp_all"))
+    assert ast.literal_eval(shown) == [min(max(v, low), high) for v in values]  # examples are computed
+    kinds = {
+        "completion": any(p in completions() for p in corpus[:50]),
+        "stub": any(isinstance(p, str) and ">>>" in p for p in corpus[:50]),
+        "chat about code": any(not isinstance(p, str) and "```python" in p[0]["content"] for p in corpus[:50]),
+    }
+    assert all(kinds.values()), kinds
+
+
 def test_covering_vocab_keeps_the_most_frequent_tokens() -> None:
     from dflash2.train.vocab import covering_vocab
 
@@ -80,8 +103,9 @@ def test_default_corpus_holds_no_evaluation_prompt() -> None:
     from dflash2.bench.data import load_dataset
 
     questions = [p.prompt[0]["content"] for p in load_dataset("mtbench", None)]  # type: ignore[index]
-    corpus = code_prompts() + [m[0]["content"] for m in chat_prompts()]
-    assert len(code_prompts()) > 200 and len(chat_prompts()) > 500
+    users = [p if isinstance(p, str) else p[0]["content"] for p in users_corpus(10**6)]
+    corpus = code_prompts() + [m[0]["content"] for m in chat_prompts()] + users
+    assert len(code_prompts()) > 200 and len(chat_prompts()) > 500 and len(users) > 15_000
 
     def grams(text: str, n: int = 8) -> set[tuple[str, ...]]:
         words = re.findall(r"\w+", text.lower())
@@ -91,7 +115,7 @@ def test_default_corpus_holds_no_evaluation_prompt() -> None:
     corpus_grams = set().union(*(grams(p) for p in corpus))
     assert not eval_grams & corpus_grams
     names = {p["entry_point"] for p in problems}
-    assert not any(re.match(rf"def {re.escape(n)}\(", p) for p in code_prompts() for n in names)
+    assert not any(re.search(rf"\bdef {re.escape(n)}\(", p) for p in code_prompts() + users for n in names)
     assert len(default_corpus(64)) == 64
 
 

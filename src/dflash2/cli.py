@@ -101,6 +101,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
         out=Path(args.out),
         prompts=Path(args.prompts) if args.prompts else None,
         text=Path(args.text) if args.text else None,
+        corpus=args.corpus,
         samples=args.samples,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -171,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", required=True, help="work dir: data cache, checkpoints, exported drafter")
     train.add_argument("--prompts", default=None, help='.jsonl of {"prompt": ...} or {"messages": [...]}')
     train.add_argument("--text", default=None, help="directory of .txt/.md/.py files (domain text)")
+    train.add_argument(
+        "--corpus",
+        default="templates",
+        choices=["templates", "users"],
+        help="the offline corpus: made-up templates, or user-like requests built from real code and docs",
+    )
     train.add_argument("--samples", type=int, default=512, help="prompts to self-distil")
     train.add_argument("--max-new-tokens", type=int, default=192, help="response length")
     train.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of the responses")

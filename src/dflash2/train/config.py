@@ -35,6 +35,7 @@ class TrainConfig:
     out: Path
     prompts: Path | None = None
     text: Path | None = None
+    corpus: str = "templates"  # without prompts or text: "templates" or "users" (train/realistic.py)
     samples: int = 512
     max_new_tokens: int = 192
     max_prompt_tokens: int = 256
@@ -99,6 +100,8 @@ class TrainConfig:
             raise InvalidOptionError(f"replay is a share of the anchors in [0, 1], got {self.replay}.")
         if self.refine is not None and not (Path(self.refine) / "config.json").is_file():
             raise InvalidOptionError(f"refine: {self.refine} is not a drafter directory (no config.json).")
+        if self.corpus not in ("templates", "users"):
+            raise InvalidOptionError(f"corpus must be 'templates' or 'users', got {self.corpus!r}.")
         if self.features not in ("auto", "cache", "online"):
             raise InvalidOptionError(f"features must be 'auto', 'cache' or 'online', got {self.features!r}.")
         if self.precision not in ("fp32", "bf16"):

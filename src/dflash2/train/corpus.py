@@ -589,8 +589,10 @@ def _signature_prompt(name: str, fn: Any) -> str | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _code_prompts() -> tuple[str, ...]:
-    prompts: dict[str, None] = {}  # ordered, and without repeats
+def stdlib_functions() -> tuple[tuple[str, Any], ...]:
+    """(name, function) of the public pure-Python functions and methods of ``_MODULES``, in a fixed
+    order, without the names of HumanEval's entry points."""
+    found: list[tuple[str, Any]] = []
     for module_name in _MODULES:
         try:
             with warnings.catch_warnings():
@@ -609,11 +611,18 @@ def _code_prompts() -> tuple[str, ...]:
                 candidates = [(n, m.__func__ if isinstance(m, (staticmethod, classmethod)) else m) for n, m in members]
             else:
                 continue
-            for fn_name, fn in candidates:
-                prompt = _signature_prompt(fn_name, fn)
-                if prompt is not None:
-                    prompts[prompt] = None
-    return tuple(prompts)
+            found += [
+                (n, fn)
+                for n, fn in candidates
+                if not n.startswith("_") and n not in _EVALUATION_NAMES and inspect.isfunction(fn)
+            ]
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=1)
+def _code_prompts() -> tuple[str, ...]:
+    prompts = (_signature_prompt(name, fn) for name, fn in stdlib_functions())
+    return tuple(dict.fromkeys(p for p in prompts if p is not None))  # ordered, and without repeats
 
 
 def code_prompts(limit: int | None = None) -> list[str]:

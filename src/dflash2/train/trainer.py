@@ -40,7 +40,7 @@ from dflash2.runtime.device import resolve_device
 from dflash2.runtime.loader import load_safetensors
 from dflash2.runtime.model import DecoderLayer, rms_norm
 from dflash2.tokenize import encode_prompt
-from dflash2.train import corpus, distributed, onpolicy
+from dflash2.train import corpus, distributed, onpolicy, realistic
 from dflash2.train.config import TrainConfig, spread_layers
 from dflash2.train.data import TrainingSequence, cache_features, generate_responses, load_sequences, with_features
 from dflash2.train.distributed import Group
@@ -243,6 +243,8 @@ def prompts_for(cfg: TrainConfig) -> list[corpus.Prompt]:
         return corpus.load_prompts(cfg.prompts)[: cfg.samples]
     if cfg.text is not None:
         return list(corpus.load_text(cfg.text)[: cfg.samples])
+    if cfg.corpus == "users":
+        return realistic.users_corpus(cfg.samples, seed=cfg.seed)
     return corpus.default_corpus(cfg.samples, seed=cfg.seed)
 
 
