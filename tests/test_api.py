@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from tiny import EOS, hf_greedy, save_tiny
+from tiny import EOS, full_blocks, hf_greedy, save_tiny
 
 import dflash2
 from dflash2 import StreamStateError
@@ -283,7 +283,8 @@ def test_an_error_mid_stream_is_finish_reason_error(tiny_model: dflash2.Model) -
 
 def test_hybrid_block_size_holds_for_its_lookup_too(paths: dict[str, Path]) -> None:
     lookup = dflash2.drafters.NGramDrafter(min_ngram=1, max_ngram=2)  # matches almost every step
-    model = dflash2.load(paths["target"], drafter=[lookup, paths["dflash1"]], block_size=4)
+    # whole blocks: what is tested is how far the lookup may draft, not how far drafting pays
+    model = full_blocks(dflash2.load(paths["target"], drafter=[lookup, paths["dflash1"]], block_size=4))
     drafter = model.drafter
     assert isinstance(drafter, dflash2.drafters.HybridDrafter)
     assert drafter.lookup.block_size == 4 and drafter.model.block_size == 4

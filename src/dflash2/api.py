@@ -27,7 +27,15 @@ from dflash2.config import (
 )
 from dflash2.drafters import Drafter, load_drafter
 from dflash2.drafters.base import Draft, StaticStepping, drafter_context
-from dflash2.engine import AsyncPipeline, DraftLengthPolicy, OverlapPolicy, Request, ResidentPipeline, SyncPipeline
+from dflash2.engine import (
+    AsyncPipeline,
+    Batcher,
+    DraftLengthPolicy,
+    OverlapPolicy,
+    Request,
+    ResidentPipeline,
+    SyncPipeline,
+)
 from dflash2.errors import ContextLengthError, InvalidOptionError, StreamStateError
 from dflash2.runtime.device import resolve_device, resolve_dtype
 from dflash2.runtime.graphs import MAX_BUCKET, Slot, StepPool, buckets_up_to
@@ -52,6 +60,7 @@ class Model:
         workers: Workers | None = None,
         graphs: GraphConfig | None = None,
         steps: StepPool[Slot] | None = None,
+        max_batch: int = 8,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -60,6 +69,7 @@ class Model:
         self.checkpoint = checkpoint  # the local directory the weights were read from
         self.drafter = drafter
         self.workers = workers if workers is not None else Workers.shared(target.device)
+        self.batcher = Batcher(self.workers.verify, max_batch)  # concurrent streams share target forwards
         self._closed = False
         self.policy = OverlapPolicy()  # learns, per drafter, whether drafting ahead pays
         self.lengths = DraftLengthPolicy()  # learns, per drafter, how far drafting pays
@@ -103,7 +113,7 @@ class Model:
             release_thread_pool()
         model = Model(
             self.target, self.tokenizer, self.eos_token_ids, self.name, self.checkpoint, chosen, self.workers,
-            self.graphs, self.steps,
+            self.graphs, self.steps, self.batcher.max_batch,
         )  # fmt: skip
         if model.graph_mode == "cuda":
             model.warmup()
@@ -173,11 +183,11 @@ class Model:
         request = Request(self.target, prompt_ids, config, sampling, self.drafter, self.steps, lengths)
         source: TokenSource
         if config.pipeline == "sync":
-            source = SyncPipeline(request, self.workers.verify)
+            source = SyncPipeline(request, self.batcher)
         elif self._resident():
             source = ResidentPipeline(request, self.workers.verify)
         else:
-            source = AsyncPipeline(request, self.workers, self.policy)
+            source = AsyncPipeline(request, self.workers, self.policy, self.batcher)
         return TokenStream(source, self.tokenizer, len(prompt_ids), config, self.eos_token_ids)
 
     def _resident(self) -> bool:
@@ -274,6 +284,7 @@ def load(
     dtype: str | torch.dtype = "auto",
     block_size: int | None = None,
     graphs: GraphConfig | GraphMode = "auto",
+    max_batch: int = 8,
 ) -> Model:
     """Load a target model from a hub id, a local directory or a ``.gguf`` file, and a drafter.
 
@@ -282,8 +293,11 @@ def load(
     :class:`dflash2.drafters.Drafter` object. ``block_size`` (tokens per verify forward, incl. the
     last verified one) overrides the drafter's default. ``graphs``: CUDA graphs (``"cuda"``, the
     default on CUDA, captured at load), eager forwards (``"off"``, the default on the CPU), or a
-    :class:`GraphConfig`.
+    :class:`GraphConfig`. ``max_batch``: the most concurrent streams whose steps share one target
+    forward (see ``engine.batch``).
     """
+    if not isinstance(max_batch, int) or isinstance(max_batch, bool) or not 1 <= max_batch <= 256:
+        raise InvalidOptionError(f"max_batch must be an int in [1, 256], got {max_batch!r}.")
     if not isinstance(target, (str, os.PathLike)):
         raise InvalidOptionError(f"target must be a hub id or a path, not {type(target).__name__}.")
     if block_size is not None:
@@ -299,7 +313,9 @@ def load(
         tokenizer = load_tokenizer(checkpoint)
         eos = load_eos_ids(checkpoint, decoder.spec)
         name = Path(str(target)).name or str(target)
-        model = Model(decoder, tokenizer, eos, name=name, checkpoint=checkpoint, graphs=graph_config)
+        model = Model(
+            decoder, tokenizer, eos, name=name, checkpoint=checkpoint, graphs=graph_config, max_batch=max_batch
+        )
         return model.with_drafter(drafter, block_size)
     finally:
         release_thread_pool()  # generation computes on dflash2's own threads (see runtime.workers)

@@ -48,6 +48,12 @@ class Stats:
     overlap: float = 0.0
     bubble: float = 0.0
     predraft_hits: int = 0
+    batch_sizes: tuple[int, ...] = ()  # per step: the streams whose steps ran in that target forward
+
+    @property
+    def mean_batch_size(self) -> float:
+        """Streams per target forward this stream's steps ran in, on average (1.0: always alone)."""
+        return sum(self.batch_sizes) / len(self.batch_sizes) if self.batch_sizes else 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -83,6 +89,7 @@ class EngineCounters:
     hidden_s: float = 0.0  # drafting that ran while a verification was running
     wait_s: float = 0.0  # verifier idle, waiting for a draft
     predraft_hits: int = 0
+    batch_sizes: list[int] = field(default_factory=list)  # per step: streams in its target forward
 
     @property
     def overlap(self) -> float:
@@ -270,6 +277,7 @@ class TokenStream:
             overlap=c.overlap,
             bubble=c.bubble,
             predraft_hits=c.predraft_hits,
+            batch_sizes=tuple(c.batch_sizes),
         )
 
 

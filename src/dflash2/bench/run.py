@@ -12,6 +12,15 @@ from typing import Any
 import torch
 
 from dflash2.api import Model, load
+from dflash2.bench.concurrency import (
+    PEER,
+    Level,
+    dflash2_level,
+    levels_table,
+    plot_levels,
+    transformers_level,
+    write_levels_json,
+)
 from dflash2.bench.curve import (
     CurvePoint,
     acceptance_curve,
@@ -148,6 +157,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--training-curve", type=Path, default=None, help="a train-drafter run dir: acceptance of each kept checkpoint"
     )
+    concurrent = parser.add_argument_group("concurrency sweep (runs instead of the matrix)")
+    concurrent.add_argument("--concurrency", default=None, help="numbers of concurrent streams, e.g. 1,2,4,8")
+    concurrent.add_argument(
+        "--concurrency-configs", default="dflash2,dflash2-hybrid-async", help="dflash2 configurations to run at once"
+    )
 
 
 def _ints(text: str) -> list[int]:
@@ -156,7 +170,8 @@ def _ints(text: str) -> list[int]:
 
 def main(args: argparse.Namespace) -> list[Row]:
     configs = [c.strip() for c in args.configs.split(",")]
-    if not (args.sweep or args.training_curve or args.predraft_ablation) and "transformers" not in configs:
+    special = args.sweep or args.training_curve or args.predraft_ablation or args.concurrency
+    if not special and "transformers" not in configs:
         raise SystemExit("every row is checked against transformers plain greedy: add 'transformers' to --configs")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,6 +187,9 @@ def main(args: argparse.Namespace) -> list[Row]:
     block_sizes["hybrid"] = args.dflash_block_size
     if args.sweep:
         return [p.row for p in sweep_main(args, model, source, drafters, block_sizes)]
+    if args.concurrency:
+        concurrency_main(args, model, source, drafters, block_sizes)
+        return []
     if args.training_curve is not None or args.predraft_ablation is not None:
         curve_main(args, model, source)
         return []
@@ -327,6 +345,63 @@ def sweep_main(
     return points
 
 
+def concurrency_main(
+    args: argparse.Namespace, model: Model, source: Any, drafters: dict[str, Any], block_sizes: dict[str, int | None]
+) -> list[Level]:
+    """``--concurrency``: aggregate and per-stream speed at each number of concurrent streams."""
+    configs = [c.strip() for c in args.concurrency_configs.split(",")]
+    if bad := [c for c in configs if c not in CONFIGS or not c.startswith("dflash2")]:
+        raise SystemExit(f"--concurrency-configs takes dflash2 configurations, not {', '.join(bad)}")
+    streams = _ints(args.concurrency)
+    runners = build_runners(model, configs, drafters, block_sizes, args.schedule)
+    hf = _hf_model(model.checkpoint, model.dtype)
+    levels: list[Level] = []
+    for dataset in (d.strip() for d in args.datasets.split(",")):
+        prompts = load_dataset(dataset, args.limit)
+        references = {p.id: model.generate(p.prompt, max_new_tokens=args.max_new_tokens).token_ids for p in prompts}
+        for n in streams:
+            levels.append(transformers_level(hf, model, prompts, n, args.max_new_tokens, references))
+            for runner in runners:
+                assert isinstance(runner, DFlash2Runner)
+                level = dflash2_level(
+                    runner.model, runner.name, prompts, n, args.max_new_tokens, references, runner.options
+                )
+                levels.append(level)
+                if not args.no_progress:
+                    print(f"{dataset} {runner.name} x{n}: {level.tokens_per_second:.1f} tok/s", flush=True)
+    levels.sort(key=lambda lv: (lv.dataset, lv.config != PEER, lv.config, lv.streams))
+    machine = machine_info()
+    settings = {
+        "model": str(source),
+        "datasets": args.datasets,
+        "limit": args.limit,
+        "max_new_tokens": args.max_new_tokens,
+        "streams": streams,
+        "configs": configs,
+        "max_batch": model.batcher.max_batch,
+    }
+    section = args.section or "concurrency"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    json_path = write_levels_json(args.out / f"{section}-{stamp}.json", machine, settings, levels)
+    plot = plot_levels(levels, args.doc.parent / "images" / f"{section}.png")
+    table = levels_table(levels)
+    body = [
+        _measured(machine, source, f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens"),
+        "",
+        "Command: `dflash2 bench " + " ".join(_cli_args(args)) + "`. Identical = the same tokens as the prompt "
+        "generated alone by dflash2's plain greedy decoding.",
+        "",
+        table,
+        "",
+        f"![aggregate tokens per second vs concurrent streams](images/{plot.name})",
+        "",
+        f"Raw results: `{json_path}`.",
+    ]
+    update_section(args.doc, section, "\n".join(body))
+    print(table)
+    return levels
+
+
 def curve_main(args: argparse.Namespace, model: Model, source: Any) -> list[CurvePoint]:
     """``--training-curve RUN``: tokens per target forward of each kept checkpoint of a training run."""
     prompts = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
@@ -390,6 +465,10 @@ def _cli_args(args: argparse.Namespace) -> list[str]:
         out.append(f"--training-curve {args.training_curve}")
     elif args.predraft_ablation:
         out.append(f"--predraft-ablation {args.predraft_ablation}")
+    elif args.concurrency:
+        out += [f"--concurrency {args.concurrency}", f"--concurrency-configs {args.concurrency_configs}"]
+        if args.dflash_drafter:
+            out.append(f"--dflash-drafter {args.dflash_drafter}")
     else:
         out.append(f"--configs {args.configs}")
     if args.schedule != "auto":

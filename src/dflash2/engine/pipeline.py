@@ -11,6 +11,10 @@ consumer stops both within one step and nothing outlives the stream. Output is i
 the sync loop (greedy) or identically distributed (sampling); only speed depends on the
 prediction. Whether a step overlaps at all is ``OverlapPolicy``'s measured choice; a step it
 keeps serial is a single job on the verify worker, as in the sync loop.
+
+While other streams of the model run, steps go through the model's ``Batcher`` instead (one
+packed forward for all of them, serial inside); so does every step of a seeded sampling
+request, so that what it draws never depends on what runs beside it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 import anyio
 
 from dflash2.drafters.base import Draft, PreDraft, PreDrafting
+from dflash2.engine.batch import Batcher
 from dflash2.engine.policy import OverlapPolicy
 from dflash2.engine.request import Request, Verified
 from dflash2.runtime.workers import Timed, Workers
@@ -34,11 +39,12 @@ if sys.version_info < (3, 11):
 class AsyncPipeline:
     """``TokenSource`` for ``pipeline="async"``."""
 
-    def __init__(self, request: Request, workers: Workers, policy: OverlapPolicy) -> None:
+    def __init__(self, request: Request, workers: Workers, policy: OverlapPolicy, batcher: Batcher) -> None:
         self.request = request
         self.counters: EngineCounters = request.counters
         self._workers = workers
         self._policy = policy
+        self._batcher = batcher
         self._ready: Draft | None = None  # a pre-draft that verification confirmed
         # a seeded sample must not depend on timing: such requests keep one schedule
         sampling = request.sampling
@@ -47,6 +53,11 @@ class AsyncPipeline:
     async def next_ids(self) -> list[int]:
         r = self.request
         verify = self._workers.verify
+        if not r.started:
+            self._batcher.join(r)
+        if self._fixed or self._batcher.shared:
+            ready, self._ready = self._ready, None
+            return await self._batcher.step(r, ready)
         if not r.started:
             return list((await r.run(verify, r.prefill)).value or [])
         started = time.perf_counter()
@@ -126,4 +137,5 @@ class AsyncPipeline:
 
     async def aclose(self) -> None:
         self.request.close()
+        self._batcher.leave(self.request)
         self._ready = None

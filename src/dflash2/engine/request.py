@@ -83,6 +83,7 @@ class Request:
         self.generated = 0
         self.started = False
         self.closed = False
+        self.batch_size = 1  # streams in the target forward of the step being settled (see engine.batch)
         self._lock = threading.Lock()
         self._phases = 0  # phases running now (in worker threads)
 
@@ -93,18 +94,28 @@ class Request:
 
     def use(self, phase: Callable[[], T]) -> T | None:
         """Run ``phase`` unless the request is closed (then ``None``); a close meanwhile waits for its end."""
-        with self._lock:
-            if self.closed:
-                return None
-            self._phases += 1
+        if not self.hold():
+            return None
         try:
             return phase()
         finally:
-            with self._lock:
-                self._phases -= 1
-                free = self.closed and self._phases == 0
-            if free:
-                self._free()
+            self.release()
+
+    def hold(self) -> bool:
+        """Start a phase (``False``: the request is closed); every ``True`` needs its :meth:`release`."""
+        with self._lock:
+            if self.closed:
+                return False
+            self._phases += 1
+            return True
+
+    def release(self) -> None:
+        """End a phase begun by :meth:`hold`; the caches go if the request was closed meanwhile."""
+        with self._lock:
+            self._phases -= 1
+            free = self.closed and self._phases == 0
+        if free:
+            self._free()
 
     async def run(
         self, worker: Worker, phase: Callable[[], T], threads: int | None = None, synchronize: bool = True
@@ -131,13 +142,22 @@ class Request:
                 self._steps.release(slot)
 
     def prefill(self) -> list[int]:
+        ids = self.prefill_block()
+        out = self.target(ids[None], self.cache, logits="last", capture=self.capture)
+        assert out.logits is not None
+        return self.prefilled(out.logits[0, -1], out.hidden[0] if out.hidden is not None else None)
+
+    def prefill_block(self) -> torch.Tensor:
+        """Take a cache (a static slot if one is free) and return the prompt's ids [P] to run through it."""
         self.started = True
         self.slot = self._steps.acquire(self.capacity) if self._steps is not None else None
         self.cache = self.slot.cache if self.slot is not None else self.target.new_cache(self.capacity)
-        ids = torch.tensor([self.prompt], device=self.target.device)
-        out = self.target(ids, self.cache, logits="last", capture=self.capture)
-        assert out.logits is not None
-        self.last = int(choose(out.logits[0, -1], self.sampling, self.generator))
+        return torch.tensor(self.prompt, device=self.target.device)
+
+    def prefilled(self, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[int]:
+        """The first token from the prompt's last ``logits`` [vocab]; the drafting session starts
+        from the prompt's features ``hidden`` [P, F]."""
+        self.last = int(choose(logits, self.sampling, self.generator))
         self.generated, self.verified = 1, len(self.prompt)
         if self.drafter is not None:
             start = time.perf_counter()
@@ -145,7 +165,7 @@ class Request:
                 DraftContext(
                     prompt_ids=self.prompt,
                     first_token=self.last,
-                    prompt_hidden=out.hidden[0] if out.hidden is not None else None,
+                    prompt_hidden=hidden,
                     sampling=self.sampling,
                     generator=make_generator(self.sampling, self.target.device, offset=1),
                     max_tokens=self.capacity,
@@ -174,11 +194,15 @@ class Request:
             self.lengths.policy.record_draft(len(draft), seconds)
         return Draft(draft.tokens.to(self.target.device), draft.probs)
 
+    def block(self, draft: Draft) -> torch.Tensor:
+        """The tokens [1 + k] a verify forward runs: the last emitted token, then the draft."""
+        return torch.cat([torch.tensor([self.last], device=self.target.device), draft.tokens.to(self.target.device)])
+
     def verify(self, draft: Draft) -> Verified:
         """One target forward over ``[last, draft...]``."""
         assert self.cache is not None
         start = time.perf_counter()
-        block = torch.cat([torch.tensor([self.last], device=self.target.device), draft.tokens.to(self.target.device)])
+        block = self.block(draft)
         if self.slot is not None:
             verified = Verified(*self.slot.forward(block, self.capture))
         else:
@@ -211,6 +235,7 @@ class Request:
         self.generated += len(emitted)
         self.counters.steps += 1
         self.counters.acceptance_lengths.append(len(emitted))
+        self.counters.batch_sizes.append(self.batch_size)
         self.counters.verify_s += time.perf_counter() - start
         return emitted, outcome
 

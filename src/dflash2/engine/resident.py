@@ -159,6 +159,7 @@ class ResidentPipeline:
         c.verify_s += verify_s
         c.steps += 1
         c.acceptance_lengths.append(len(emitted))
+        c.batch_sizes.append(1)
         self._accepted = accepted
         r.verified += accepted + 1
         r.last = emitted[-1]

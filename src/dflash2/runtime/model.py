@@ -9,6 +9,7 @@ the hidden states of chosen layers for exactly those tokens.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -47,6 +48,18 @@ def block_causal_mask(start: int, new: int, device: torch.device) -> torch.Tenso
     cols = torch.arange(start + new, device=device)
     rows = torch.arange(start, start + new, device=device)
     return cols[None, :] <= rows[:, None]
+
+
+@dataclass(frozen=True)
+class Part:
+    """The rows of a forward's block that belong to one cache: its keys and values go there, and
+    its queries attend over that cache only (under ``mask``). A plain forward is one part of all
+    rows; a packed forward (:meth:`Decoder.forward_packed`) has one per request."""
+
+    cache: KVCache
+    rows: slice
+    mask: torch.Tensor | None
+    positions: torch.Tensor | None = None  # static steps: where the keys go (see ``KVCache.write``)
 
 
 class RotaryTable(nn.Module):
@@ -109,14 +122,9 @@ class Attention(nn.Module):
         self.k_norm = nn.Parameter(torch.ones(spec.head_dim)) if spec.qk_norm else None
 
     def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
-        layer: int,
-        mask: torch.Tensor | None,
-        positions: torch.Tensor | None = None,
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], parts: Sequence[Part], layer: int
     ) -> torch.Tensor:
+        """Projections over all rows at once (one read of the weights); attention part by part."""
         b, t, _ = x.shape
         h, kvh = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x).view(b, t, h + 2 * kvh, self.head_dim)
@@ -126,8 +134,14 @@ class Attention(nn.Module):
             qk = torch.cat((rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)), dim=2)
         qk = apply_rope(qk, *rope)  # q and k rotated in one go
         q, k = qk[:, :, :h], qk[:, :, h:]
-        keys, values = cache.write(layer, k.transpose(1, 2), v.transpose(1, 2), positions)
-        return self.o(attend(q, keys, values, mask))
+        outs = []
+        for part in parts:
+            rows = part.rows
+            keys, values = part.cache.write(
+                layer, k[:, rows].transpose(1, 2), v[:, rows].transpose(1, 2), part.positions
+            )
+            outs.append(attend(q[:, rows], keys, values, part.mask))
+        return self.o(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
 
 
 class MLP(nn.Module):
@@ -153,15 +167,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
-        layer: int,
-        mask: torch.Tensor | None,
-        positions: torch.Tensor | None = None,
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], parts: Sequence[Part], layer: int
     ) -> torch.Tensor:
-        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), rope, cache, layer, mask, positions)
+        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), rope, parts, layer)
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps))
 
 
@@ -255,24 +263,77 @@ class Decoder(nn.Module):
                 itself = keys[None, :] == torch.arange(begin, begin + new, device=x.device)[:, None]
                 causal = mask if mask is not None else torch.ones_like(itself)
                 mask = (causal & visible[:, None, None, :]) | itself
-        wanted = set(capture)
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, cache, i, mask, positions)
-            if i in wanted:
-                captured[i] = x
+        x, normed, hidden = self._layers(x, rope, [Part(cache, slice(None), mask, positions)], capture, logits == "all")
         if start is None:
             cache.advance(new)
-        last = len(self.layers) - 1
-        normed = self.final_norm(x) if logits == "all" or last in wanted else None
-        if normed is not None and last in wanted:
-            captured[last] = normed  # transformers' last hidden state is after the final norm
-        hidden = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         if logits == "none":
             return ForwardOutput(None, hidden)
         if logits == "last":
             normed = self.final_norm(x[:, -1:]) if normed is None else normed[:, -1:]
+        assert normed is not None
         return ForwardOutput(self.lm_head(normed), hidden)
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        parts: Sequence[Part],
+        capture: Sequence[int],
+        normalize: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Every layer over ``x``: the last hidden state, its final norm (if ``normalize`` or the
+        last layer is captured; else ``None``) and the captured features (or ``None``)."""
+        wanted = set(capture)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, parts, i)
+            if i in wanted:
+                captured[i] = x
+        last = len(self.layers) - 1
+        normed = self.final_norm(x) if normalize or last in wanted else None
+        if normed is not None and last in wanted:
+            captured[last] = normed  # transformers' last hidden state is after the final norm
+        hidden = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        return x, normed, hidden
+
+    def forward_packed(
+        self, blocks: Sequence[tuple[torch.Tensor, KVCache, bool]], capture: Sequence[int] = ()
+    ) -> list[ForwardOutput]:
+        """Several requests' new tokens in one forward: ``(ids [T], cache, all_logits)`` each.
+
+        The weights are read once for all rows (the projections and the LM head run over the
+        packed block); each request's tokens attend over its own cache, as a forward of its own
+        would, and its cache advances by T. Outputs per block: logits [1, T, vocab] (or [1, 1,
+        vocab] for the last position only, ``all_logits=False``: a prefill) and the captured
+        features [1, T, F].
+        """
+        device = self.device
+        sizes = [int(ids.shape[0]) for ids, _, _ in blocks]
+        caches = [cache for _, cache, _ in blocks]
+        for cache, size in zip(caches, sizes, strict=True):
+            cache.check_room(size)
+        bounds = [0, *itertools.accumulate(sizes)]
+        parts = [
+            Part(cache, slice(bounds[i], bounds[i + 1]), block_causal_mask(cache.length, sizes[i], device))
+            for i, cache in enumerate(caches)
+        ]
+        positions = torch.cat(
+            [torch.arange(p.cache.length, p.cache.length + n, device=device) for p, n in zip(parts, sizes, strict=True)]
+        )
+        ids = torch.cat([ids.to(device) for ids, _, _ in blocks])[None]
+        _, normed, hidden = self._layers(self.embed(ids), self.rope.at(positions), parts, capture, True)
+        assert normed is not None
+        for cache, size in zip(caches, sizes, strict=True):
+            cache.advance(size)
+        rows: list[int] = []  # the rows whose logits are wanted, block after block
+        for i, (_, _, every) in enumerate(blocks):
+            rows += range(bounds[i], bounds[i + 1]) if every else [bounds[i + 1] - 1]
+        counts = [size if every else 1 for size, (_, _, every) in zip(sizes, blocks, strict=True)]
+        logits = self.lm_head(normed[:, rows]).split(counts, dim=1)
+        return [
+            ForwardOutput(logits[i], hidden[:, part.rows] if hidden is not None else None)
+            for i, part in enumerate(parts)
+        ]
 
     # ---------------------------------------------------------------- weights
     @classmethod
