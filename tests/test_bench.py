@@ -181,6 +181,30 @@ def test_sweep(tiny_llama: Path, tmp_path: Path) -> None:
         _assert_png(tmp_path / "images" / name)
 
 
+def test_concurrency_sweep(tiny_llama: Path, tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    args = _args(
+        "--model", str(tiny_llama), "--limit", "4", "--max-new-tokens", "8", "--datasets", "mtbench",
+        "--concurrency", "1,2,4", "--concurrency-configs", "dflash2,dflash2-ngram-async",
+        "--out", str(tmp_path), "--doc", str(doc), "--no-progress",
+    )  # fmt: skip
+    main(args)
+    (json_path,) = tmp_path.glob("concurrency-*.json")
+    data = json.loads(json_path.read_text())
+    levels = data["levels"]
+    assert [(lv["config"], lv["streams"]) for lv in levels] == [
+        (c, n) for c in ("transformers-batch", "dflash2", "dflash2-ngram-async") for n in (1, 2, 4)
+    ]
+    for lv in levels:
+        assert lv["prompts"] == 4 and lv["tokens_per_second"] > 0 and lv["new_tokens"] > 0
+        if lv["config"] != "transformers-batch":  # padded batches of a random model may round differently
+            assert lv["identical"] == 4, lv
+            assert 1.0 <= lv["mean_batch_size"] <= lv["streams"]
+    section = _section(doc, "concurrency")
+    assert len(_table_rows(section)) == len(levels)
+    _assert_png(tmp_path / "images" / "concurrency.png")
+
+
 @pytest.mark.timeout(600)
 def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     """The prepared GPU script (tiny shape on a CPU): every exactness run identical, every row timed."""
