@@ -27,6 +27,8 @@ test: lint
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench
+	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench --concurrency 1,2,4,8 --limit 8 \
+		--dflash-drafter drafters/smollm2-135m-instruct-dflash
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -47,6 +47,46 @@ def test_packed_forward_equals_one_forward_per_request(paths: dict[str, Path]) -
             assert torch.allclose(packed[i].k[:, :, :, :n], cache.k[:, :, :, :n], atol=1e-5)
 
 
+@pytest.mark.parametrize("version", ["dflash1", "dflash2"])
+def test_one_drafter_forward_drafts_for_several_sessions(paths: dict[str, Path], version: str) -> None:
+    """``propose_many`` gives each session the draft it proposes alone, step after step."""
+    from dflash2.config import SamplingConfig
+    from dflash2.drafters.base import DraftContext, Outcome
+
+    model = dflash2.load(paths["target"], drafter=paths[version])
+    drafter, target = model.drafter, model.target
+    assert isinstance(drafter, dflash2.drafters.DFlashDrafter)
+    prompts = [model.tokenizer(p).input_ids for p in PROMPTS[:3]]
+    capture = drafter.capture_layers
+
+    def sessions() -> list[Any]:
+        started = []
+        with torch.inference_mode():
+            for ids in prompts:
+                prefill = target(torch.tensor([ids]), target.new_cache(len(ids)), logits="none", capture=capture)
+                assert prefill.hidden is not None
+                context = DraftContext(ids, ids[-1], prefill.hidden[0], SamplingConfig(), None, 256)
+                started.append(drafter.start(context))
+        return started
+
+    alone, together = sessions(), sessions()
+    hidden_width = target.spec.hidden_size * len(drafter.capture_layers)
+    rng = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for step in range(4):
+            limits = [7, 3, 0] if step == 1 else [7, 7, 7]
+            one = [s.propose(k) for s, k in zip(alone, limits, strict=True)]
+            many = drafter.propose_many(together, limits)
+            for a, b in zip(one, many, strict=True):
+                assert a.tokens.tolist() == b.tokens.tolist()
+            for a, b, draft in zip(alone, together, one, strict=True):  # the same verified outcome for both
+                kept = min(len(draft), 2)
+                features = torch.randn(kept + 1, hidden_width, generator=rng)
+                outcome = Outcome(kept, 5 + step, tuple(int(t) for t in draft.tokens[:kept]), features)
+                a.observe(outcome)
+                b.observe(outcome)
+
+
 def _models(paths: dict[str, Path], max_batch: int = 8) -> dict[str, dflash2.Model]:
     plain = dflash2.load(paths["target"], max_batch=max_batch)
     return {
@@ -175,3 +215,28 @@ async def test_random_interleavings_never_change_greedy_output(paths: dict[str, 
     assert finished >= 20
     for m in models.values():
         assert not m.batcher._pending and not m.batcher.shared
+
+
+@pytest.mark.anyio
+async def test_a_joining_stream_gets_its_first_token_within_a_step_or_two(paths: dict[str, Path]) -> None:
+    model = dflash2.load(paths["target"], drafter="ngram", max_batch=4)
+    running = [model.stream(p, max_new_tokens=400, stop_token_ids=[]) for p in PROMPTS[:3]]
+    seen: list[int] = []
+
+    async def consume(stream: dflash2.TokenStream) -> None:
+        async for _ in stream:
+            await asyncio.sleep(0)
+
+    async def join() -> None:
+        with anyio.fail_after(30):
+            while running[0].stats.steps < 5:  # the others are well under way
+                await asyncio.sleep(0.001)
+        before = running[0].stats.steps
+        async with model.stream(PROMPTS[3], max_new_tokens=4) as late:
+            await late.__anext__()
+        seen.append(running[0].stats.steps - before)
+        for stream in running:
+            await stream.aclose()
+
+    await asyncio.gather(join(), *(consume(s) for s in running))
+    assert seen and seen[0] <= 2, seen  # the running step, then the one that prefilled it

@@ -8,6 +8,7 @@ Sessions that also implement ``PreDrafting`` can draft the next block while one 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -126,6 +127,15 @@ class PreDrafting(Protocol):
         ...
 
     def predraft(self, max_tokens: int) -> PreDraft | None: ...
+
+
+@runtime_checkable
+class BatchDrafting(Protocol):
+    """A drafter that drafts for several of its sessions in one forward (concurrent streams)."""
+
+    def propose_many(self, sessions: Sequence[DraftSession], max_tokens: Sequence[int]) -> list[Draft]:
+        """``sessions[i].propose(max_tokens[i])`` for every i, as cheaply as the drafter can."""
+        ...
 
 
 @runtime_checkable

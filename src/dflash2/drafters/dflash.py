@@ -15,6 +15,7 @@ an output multiplier and logit soft-capping. Checkpoints use the z-lab format: `
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from torch import nn
 from transformers import Qwen3Config
 
 from dflash2.config import SamplingConfig
-from dflash2.drafters.base import Draft, DraftContext, Outcome, PreDraft
+from dflash2.drafters.base import Draft, DraftContext, DraftSession, Outcome, PreDraft
 from dflash2.errors import DrafterError
 from dflash2.runtime.graphs import MAX_BUCKET, Outputs, StaticStep, StepMode, StepPool, bucket, buckets_up_to
 from dflash2.runtime.kv_cache import KVCache
@@ -140,6 +141,20 @@ class DFlashSpec:
             raise DrafterError("this DFlash drafter does not fit the target: " + "; ".join(problems) + ".")
 
 
+@dataclass(frozen=True)
+class DraftPart:
+    """One session's share of a drafter forward: its new context rows [1, C, D] (projected), the
+    RoPE tables of its block's queries and of its keys (context then block), its cache (``None``:
+    training, no cache), its per-layer masks and, for a static step, where its keys go."""
+
+    context: torch.Tensor
+    rope_q: tuple[torch.Tensor, torch.Tensor]
+    rope_k: tuple[torch.Tensor, torch.Tensor]
+    cache: KVCache | None
+    masks: Sequence[torch.Tensor | None]
+    positions: torch.Tensor | None = None
+
+
 class DFlashAttention(nn.Module):
     """Queries from the block; keys/values from context features and the block, q/k-normed."""
 
@@ -153,33 +168,31 @@ class DFlashAttention(nn.Module):
         self.q_norm = nn.Parameter(torch.ones(spec.head_dim))
         self.k_norm = nn.Parameter(torch.ones(spec.head_dim))
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        context: torch.Tensor,
-        rope_q: tuple[torch.Tensor, torch.Tensor],
-        rope_k: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache | None,
-        layer: int,
-        mask: torch.Tensor | None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``x`` [B, T, D] block states; ``context`` [B, C, D] new projected context features.
+    def forward(self, x: torch.Tensor, parts: Sequence[DraftPart], layer: int) -> torch.Tensor:
+        """``x`` [S, T, D]: the block states of ``parts[i]``'s session in row i.
 
-        With a cache, the new context and block keys/values are written after the cached ones
-        (or at ``positions``, a static step) and attention covers them; without one, only
-        ``context`` and ``x``.
+        Keys and values come from each session's new context rows and its block, written after
+        its cached ones (or at ``positions``, a static step) when it has a cache, and each
+        block attends over its own session's keys only. The projections run once over every
+        row of every session.
         """
-        b, t, _ = x.shape
-        q = rms_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim), self.q_norm, self.eps)
-        kv = self.kv_proj(torch.cat([context, x], dim=1)).view(b, -1, 2 * self.num_kv_heads, self.head_dim)
-        k, v = kv.split(self.num_kv_heads, dim=2)
-        k = rms_norm(k, self.k_norm, self.eps)
-        q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-        if cache is not None:
-            k, v = cache.write(layer, k, v, positions)
-        return self.o_proj(attend(q, k, v, mask))
+        s, t, _ = x.shape
+        q = rms_norm(self.q_proj(x).view(s, t, self.num_heads, self.head_dim), self.q_norm, self.eps)
+        rows = [p.context[0] for p in parts]
+        kv = self.kv_proj(torch.cat([*rows, x.reshape(s * t, -1)])[None])[0]
+        ctx_bounds = [0, *itertools.accumulate(r.shape[0] for r in rows)]
+        block_start = ctx_bounds[-1]
+        outs = []
+        for i, part in enumerate(parts):
+            block = kv[block_start + i * t : block_start + (i + 1) * t]
+            mine = torch.cat([kv[ctx_bounds[i] : ctx_bounds[i + 1]], block])
+            k, v = mine.view(1, -1, 2 * self.num_kv_heads, self.head_dim).chunk(2, dim=2)
+            k = apply_rope(rms_norm(k, self.k_norm, self.eps), *part.rope_k).transpose(1, 2)
+            v = v.transpose(1, 2)
+            if part.cache is not None:
+                k, v = part.cache.write(layer, k, v, part.positions)
+            outs.append(attend(apply_rope(q[i : i + 1], *part.rope_q), k, v, part.masks[layer]))
+        return self.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs))
 
 
 def grouped_dynamic_convolve(
@@ -231,22 +244,13 @@ class DFlashLayer(nn.Module):
         self.attention_conv = GroupedDynamicConv(*args) if conv else None
         self.mlp_conv = GroupedDynamicConv(*args) if conv else None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        context: torch.Tensor,
-        rope_q: tuple[torch.Tensor, torch.Tensor],
-        rope_k: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache | None,
-        layer: int,
-        mask: torch.Tensor | None,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, parts: Sequence[DraftPart], layer: int) -> torch.Tensor:
+        """``x`` [S, T, D]: one block per session of ``parts`` (the convolutions run along each block)."""
         h = rms_norm(x, self.input_layernorm, self.eps)
         kernel = None
         if self.attention_conv is not None:
             h, kernel = self.attention_conv.prepare(h)
-        h = self.attn(h, context, rope_q, rope_k, cache, layer, mask, positions)
+        h = self.attn(h, parts, layer)
         if self.attention_conv is not None and kernel is not None:
             h = self.attention_conv.finish(h, kernel)
         x = x + h
@@ -373,15 +377,46 @@ class DFlashModel(nn.Module):
         start: torch.Tensor | None = None,
         count: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Draft states [B, T, D] (after the final norm) for the block that follows the cached
-        context plus ``context`` [B, C, D] (projected). Only the context stays in the cache.
+        """Draft states [1, T, D] (after the final norm) for the block that follows the cached
+        context plus ``context`` [1, C, D] (projected). Only the context stays in the cache.
 
         A static step (``runtime.graphs``) gives the cache length ``start`` and the number of
         real context rows ``count`` as device scalars: the rows past ``count`` (padding) go to
         spare positions at the end of the cache that no query sees, the block after the real
         rows; nothing on the host is read or changed (the caller advances ``cache.length``).
         """
-        rows, block, device = context.shape[1], block_embeds.shape[1], block_embeds.device
+        part = self.part(context, block_embeds.shape[1], cache, start, count)
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, [part], i)
+        if part.positions is None:
+            cache.advance(context.shape[1])  # the block's keys/values are dropped again
+        return rms_norm(x, self.norm, self.spec.rms_norm_eps)
+
+    def forward_many(
+        self, block_embeds: torch.Tensor, contexts: Sequence[torch.Tensor], caches: Sequence[KVCache]
+    ) -> torch.Tensor:
+        """:meth:`forward` for several sessions at once: ``block_embeds`` [S, T, D], session i's new
+        context ``contexts[i]`` [1, C_i, D] and cache ``caches[i]``; the weights are read once."""
+        block = block_embeds.shape[1]
+        parts = [self.part(c, block, cache) for c, cache in zip(contexts, caches, strict=True)]
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, parts, i)
+        for context, cache in zip(contexts, caches, strict=True):
+            cache.advance(context.shape[1])
+        return rms_norm(x, self.norm, self.spec.rms_norm_eps)
+
+    def part(
+        self,
+        context: torch.Tensor,
+        block: int,
+        cache: KVCache,
+        start: torch.Tensor | None = None,
+        count: torch.Tensor | None = None,
+    ) -> DraftPart:
+        """A session's ``DraftPart``: its ``context`` [1, C, D] and a block of ``block`` tokens after its cache."""
+        rows, device = context.shape[1], context.device
         positions: torch.Tensor | None = None
         valid: torch.Tensor | None = None
         if start is None or count is None:
@@ -399,14 +434,7 @@ class DFlashModel(nn.Module):
             positions = torch.cat([torch.where(row < count, start + row, spare), queries])
             rope_k = self.rope.at(positions)
             keys, valid = cache.capacity, begin_t + block
-        rope_q = self.rope.at(queries)
-        masks = self.masks(queries, keys, valid)
-        x = block_embeds
-        for i, layer in enumerate(self.layers):
-            x = layer(x, context, rope_q, rope_k, cache, i, masks[i], positions)
-        if positions is None:
-            cache.advance(rows)  # the block's keys/values are dropped again
-        return rms_norm(x, self.norm, self.spec.rms_norm_eps)
+        return DraftPart(context, self.rope.at(queries), rope_k, cache, self.masks(queries, keys, valid), positions)
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         logits = lm_head(hidden)
@@ -551,6 +579,23 @@ class DFlashDrafter:
     def start(self, context: DraftContext) -> DFlashSession:
         return DFlashSession(self, context)
 
+    def propose_many(self, sessions: Sequence[DraftSession], max_tokens: Sequence[int]) -> list[Draft]:
+        """``sessions[i].propose(max_tokens[i])`` for each, the drafter forward of all that draft
+        (and have no static slot) run as one; the others draft on their own."""
+        mine = [s for s in sessions if isinstance(s, DFlashSession)]
+        if len(mine) != len(sessions):
+            raise DrafterError("propose_many takes sessions of this drafter only.")
+        together = [i for i, s in enumerate(mine) if s.batchable and min(self.block_size - 1, max_tokens[i]) > 0]
+        drafts: dict[int, Draft] = {}
+        if len(together) > 1:
+            blocks = torch.cat([mine[i]._block([mine[i]._last]) for i in together])
+            contexts = [self.model.project_context(mine[i]._take_features()[None]) for i in together]
+            caches = [mine[i]._cache for i in together]
+            states = self.model.forward_many(blocks, contexts, [c for c in caches if c is not None])[:, 1:]
+            for row, i in enumerate(together):
+                drafts[i] = mine[i]._proposed(states[row : row + 1], min(self.block_size - 1, max_tokens[i]))
+        return [drafts[i] if i in drafts else s.propose(max_tokens[i]) for i, s in enumerate(mine)]
+
 
 class DFlashSlot:
     """A session's context cache of fixed capacity and its static block forwards (``runtime.graphs``).
@@ -663,20 +708,33 @@ class DFlashSession:
         self._proposal: list[int] = []
         self._pre: PreDraft | None = None
 
+    def _take_features(self) -> torch.Tensor:
+        """The target features [C, F] not yet in the drafter's cache (they go in with the next draft)."""
+        model, spec = self._model, self._model.spec
+        width = len(spec.target_layer_ids) * spec.hidden_size
+        pending = self._pending or [torch.zeros(0, width)]
+        self._pending = []
+        return torch.cat(pending, dim=0).to(device=model.device, dtype=model.dtype)
+
+    def _block(self, clean: list[int]) -> torch.Tensor:
+        """Input embeddings [1, T, D] of the block ``[clean..., MASK x (B-1)]``."""
+        spec = self._model.spec
+        ids = torch.tensor([[*clean, *[spec.mask_token_id] * (self._d.block_size - 1)]], device=self._model.device)
+        return self._d.target.embed(ids) * spec.input_embedding_scale
+
     def _draft_states(self, clean: list[int]) -> torch.Tensor:
         """Draft states [1, B-1, D] for the masks after the ``clean`` tokens; feeds pending features."""
         assert self._cache is not None
-        target, model, spec = self._d.target, self._model, self._model.spec
-        width = len(spec.target_layer_ids) * spec.hidden_size
-        pending = self._pending or [torch.zeros(0, width)]
-        features = torch.cat(pending, dim=0).to(device=model.device, dtype=model.dtype)
-        self._pending = []
+        features = self._take_features()
         if self._slot is not None and len(clean) == 1 and features.shape[0] <= MAX_BUCKET:
             return self._slot.draft_states(clean[0], features)
-        ids = [*clean, *[spec.mask_token_id] * (self._d.block_size - 1)]
-        block = torch.tensor([ids], device=model.device)
-        embeds = target.embed(block) * spec.input_embedding_scale
-        return model(embeds, model.project_context(features[None]), self._cache)[:, len(clean) :]
+        model = self._model
+        return model(self._block(clean), model.project_context(features[None]), self._cache)[:, len(clean) :]
+
+    @property
+    def batchable(self) -> bool:
+        """Whether :meth:`DFlashDrafter.propose_many` may draft for it with others (no static slot)."""
+        return self._slot is None and self._cache is not None
 
     def _pick(
         self, hidden: torch.Tensor, anchor: int | torch.Tensor, sampling: SamplingConfig
@@ -705,7 +763,11 @@ class DFlashSession:
         if k <= 0:
             self._proposal = []
             return Draft(torch.zeros(0, dtype=torch.long))
-        tokens, probs = self._pick(self._draft_states([self._last]), self._last, self._sampling)
+        return self._proposed(self._draft_states([self._last]), k)
+
+    def _proposed(self, states: torch.Tensor, k: int) -> Draft:
+        """The first ``k`` drafts picked from the draft states [1, B-1, D] of the block after ``last``."""
+        tokens, probs = self._pick(states, self._last, self._sampling)
         self._proposal = [int(t) for t in tokens[:k]]
         return Draft(tokens[:k].cpu(), probs[:k] if probs is not None else None)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash2.drafters.base import Draft
+from dflash2.drafters.base import BatchDrafting, Draft
 from dflash2.engine.request import Request, Verified
 from dflash2.runtime.workers import Worker
 
@@ -136,22 +136,61 @@ class Batcher:
             step.error = err
 
     @staticmethod
-    def _together(steps: list[_Step]) -> None:
-        live: list[tuple[_Step, Draft | None, torch.Tensor]] = []  # the draft each verifies (None: a prefill)
-        for s in steps:
+    def _drafts(steps: list[_Step]) -> dict[int, Draft]:
+        """The draft of every started step (by index): a confirmed pre-draft, one drafter forward
+        for all the steps whose drafter drafts for several sessions at once, or each its own."""
+        drafts: dict[int, Draft] = {}
+        grouped: dict[int, list[tuple[int, int]]] = {}  # by drafter: (step index, tokens wanted)
+        before = [s.request.counters.draft_s for s in steps]
+        for i, s in enumerate(steps):
             r = s.request
+            if s.ready is not None:
+                drafts[i] = s.ready
+                continue
             try:
-                if not r.started:
-                    live.append((s, None, r.prefill_block()))  # takes the cache; the prompt runs below
-                    continue
-                draft = s.ready
-                if draft is None:
-                    before = r.counters.draft_s
-                    draft = r.propose()
-                    r.counters.wait_s += r.counters.draft_s - before  # the batch waits for every draft
-                live.append((s, draft, r.block(draft)))
+                wanted = r.wanted()
+                if wanted is None or r.session is None:
+                    drafts[i] = r.no_draft()
+                elif isinstance(r.drafter, BatchDrafting):
+                    grouped.setdefault(id(r.drafter), []).append((i, wanted))
+                else:
+                    start = time.perf_counter()
+                    drafts[i] = r.drafted(r.session.propose(wanted), time.perf_counter() - start)
             except Exception as err:  # raised in that stream's consumer
                 s.error = err
+        for members in grouped.values():
+            requests = [steps[i].request for i, _ in members]
+            drafter = requests[0].drafter
+            assert isinstance(drafter, BatchDrafting)
+            start = time.perf_counter()
+            try:
+                sessions = [r.session for r in requests if r.session is not None]
+                made = drafter.propose_many(sessions, [k for _, k in members])
+            except Exception as err:
+                for i, _ in members:
+                    steps[i].error = err
+                continue
+            share = (time.perf_counter() - start) / len(members)
+            for (i, _), r, draft in zip(members, requests, made, strict=True):
+                drafts[i] = r.drafted(draft, share)
+        for i, s in enumerate(steps):  # the batch waits for every draft
+            s.request.counters.wait_s += s.request.counters.draft_s - before[i]
+        return drafts
+
+    @staticmethod
+    def _together(steps: list[_Step]) -> None:
+        live: list[tuple[_Step, Draft | None, torch.Tensor]] = []  # the draft each verifies (None: a prefill)
+        going = [s for s in steps if s.request.started]
+        for s in steps:
+            if not s.request.started:
+                try:
+                    live.append((s, None, s.request.prefill_block()))  # takes the cache; the prompt runs below
+                except Exception as err:  # raised in that stream's consumer
+                    s.error = err
+        drafts = Batcher._drafts(going)
+        for i, s in enumerate(going):
+            if i in drafts and s.error is None:
+                live.append((s, drafts[i], s.request.block(drafts[i])))
         if not live:
             return
         first = live[0][0].request

@@ -182,13 +182,26 @@ class Request:
 
     def propose(self) -> Draft:
         """A draft from the verified state, as long as the draft-length policy says (maybe none)."""
-        limit = self.draft_limit
-        if self.session is None or limit <= 0:
-            return Draft(torch.zeros(0, dtype=torch.long, device=self.target.device))
-        wanted = self.lengths.choose(limit) if self.lengths is not None else limit
+        wanted = self.wanted()
+        if wanted is None or self.session is None:
+            return self.no_draft()
         start = time.perf_counter()
         draft = self.session.propose(wanted)  # 0: the session drafts nothing, it only keeps up
-        seconds = time.perf_counter() - start
+        return self.drafted(draft, time.perf_counter() - start)
+
+    def wanted(self) -> int | None:
+        """How far this step drafts, as the draft-length policy says (ask once per step); ``None``
+        when there is no session or no room, and the step drafts nothing."""
+        limit = self.draft_limit
+        if self.session is None or limit <= 0:
+            return None
+        return self.lengths.choose(limit) if self.lengths is not None else limit
+
+    def no_draft(self) -> Draft:
+        return Draft(torch.zeros(0, dtype=torch.long, device=self.target.device))
+
+    def drafted(self, draft: Draft, seconds: float) -> Draft:
+        """Count a draft the session made in ``seconds`` and move it to the target's device."""
         self.counters.draft_s += seconds
         if self.lengths is not None and len(draft) > 0:
             self.lengths.policy.record_draft(len(draft), seconds)

@@ -32,6 +32,7 @@ from dflash2.drafters.dflash import (
     DFlashLayer,
     DFlashModel,
     DFlashSpec,
+    DraftPart,
     ours_to_zlab,
     read_draft_vocab,
 )
@@ -162,8 +163,9 @@ def draft_logits(model: DFlashModel, target: Model, batch: Batch, vocab: torch.T
     rope_q = model.rope.at(q_pos)
     rope_k = model.rope.at(torch.cat([batch.context_positions.to(device), q_pos]))
     mask = visibility(blocks, n, batch.offsets).to(device)
+    part = DraftPart(context, rope_q, rope_k, None, [mask] * len(model.layers))
     for i, layer in enumerate(model.layers):
-        x = layer(x, context, rope_q, rope_k, None, i, mask)
+        x = layer(x, [part], i)
     hidden = rms_norm(x, model.norm, spec.rms_norm_eps).view(a, width, -1)[:, width - spec.block_size + 1 :]
     if vocab is None:
         return model.logits(hidden, target.target.lm_head)
