@@ -9,7 +9,8 @@ repeats. One command, well inside the device's time limit, where CUDA is::
     PYTHONPATH=src python -m dflash2.bench.gpu --out "$OUT"
 
 It runs the CUDA-only tests (``tests/test_cuda_graphs.py``), checks fp32 greedy exactness of
-every drafter, eager and with graphs, against transformers on the device, then times each shape
+every drafter, eager and with graphs, against transformers on the device, measures 1, 2, 4 and 8
+concurrent plain streams on the first shape (the batched path, eager), then times each shape
 in bf16: transformers ``generate``, dflash2 eager (``graphs="off"``) and with CUDA graphs, each
 drafter sync and async; the first request after loading is timed apart (cold start). The JSON
 is rewritten after every row, so a run cut short still reports what it measured. On a CPU it runs
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash2.api import load
+from dflash2.bench.concurrency import dflash2_level
+from dflash2.bench.data import Prompt
 from dflash2.bench.harness import Row, aggregate, machine_info, rows_as_dicts
 from dflash2.bench.runners import DFlash2Runner, RunResult, TransformersRunner
 from dflash2.bench.synthetic import PAD, save_random, save_random_dflash
@@ -194,6 +198,21 @@ def timing(
                 timer(DFlash2Runner(drafted, f"{name}-async-{mode}", pipeline="async"), ids)
 
 
+def concurrency(work: Path, shape: str, device: str, dtype: torch.dtype, max_new_tokens: int) -> list[dict[str, Any]]:
+    """Aggregate tokens/s of 1, 2, 4 and 8 concurrent plain streams (eager: the batched path)."""
+    target = _target(work / f"{shape}-target", shape, device, dtype)
+    model = load(target, device=device, dtype=dtype, graphs="off")
+    prompts = [Prompt("gpu", str(i), PROMPTS[i % len(PROMPTS)]) for i in range(8)]
+    references = {p.id: model.generate(p.prompt, max_new_tokens=max_new_tokens).token_ids for p in prompts}
+    levels = []
+    for streams in (1, 2, 4, 8):
+        level = dflash2_level(model, "plain-off", prompts, streams, max_new_tokens, references, {"pipeline": "sync"})
+        levels.append({**asdict(level), "tokens_per_second": level.tokens_per_second})
+        print(f"{shape:>15} {streams} streams: {level.tokens_per_second:8.1f} tok/s  identical "
+              f"{level.identical}/{level.prompts}", flush=True)  # fmt: skip
+    return levels
+
+
 def plot(report: dict[str, Any], path: Path) -> Path:
     """tokens/s of every row, one group of bars per shape."""
     from dflash2.bench.report import plot_tokens_per_second
@@ -241,6 +260,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         work = Path(tmp)
         report["exactness_fp32"] = exactness(work, device, modes)
         print("exactness (fp32):", report["exactness_fp32"], flush=True)
+        save()
+        report["concurrency"] = concurrency(work, shapes[0], device, dtype, args.max_new_tokens)
         save()
         for shape in shapes:
             timers.append(_Timer(shape, args.max_new_tokens, begun + args.budget, save))
