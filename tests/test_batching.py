@@ -47,15 +47,17 @@ def test_packed_forward_equals_one_forward_per_request(paths: dict[str, Path]) -
             assert torch.allclose(packed[i].k[:, :, :, :n], cache.k[:, :, :, :n], atol=1e-5)
 
 
-@pytest.mark.parametrize("version", ["dflash1", "dflash2"])
+@pytest.mark.parametrize("version", ["dflash1", "dflash2", "hybrid"])
 def test_one_drafter_forward_drafts_for_several_sessions(paths: dict[str, Path], version: str) -> None:
-    """``propose_many`` gives each session the draft it proposes alone, step after step."""
+    """``propose_many`` gives each session the draft it proposes alone, step after step (the hybrid
+    drafter: lookups where they match, one DFlash forward for the others)."""
     from dflash2.config import SamplingConfig
-    from dflash2.drafters.base import DraftContext, Outcome
+    from dflash2.drafters.base import BatchDrafting, DraftContext, Outcome
 
-    model = dflash2.load(paths["target"], drafter=paths[version])
+    choice: Any = paths.get(version) or ["ngram", paths["dflash2"]]  # the lookup matches some prompts only
+    model = dflash2.load(paths["target"], drafter=choice)
     drafter, target = model.drafter, model.target
-    assert isinstance(drafter, dflash2.drafters.DFlashDrafter)
+    assert isinstance(drafter, BatchDrafting) and drafter is not None
     prompts = [model.tokenizer(p).input_ids for p in PROMPTS[:3]]
     capture = drafter.capture_layers
 
@@ -94,6 +96,7 @@ def _models(paths: dict[str, Path], max_batch: int = 8) -> dict[str, dflash2.Mod
         "ngram": plain.with_drafter("ngram"),
         "self": plain.with_drafter(paths["target"]),
         "dflash2": plain.with_drafter(paths["dflash2"]),
+        "hybrid": plain.with_drafter([dflash2.drafters.NGramDrafter(min_ngram=1, max_ngram=2), paths["dflash1"]]),
     }
 
 

@@ -9,9 +9,11 @@ every outcome, whoever drafted; the model drafter's pre-drafting is used after i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dflash2.drafters.base import (
+    BatchDrafting,
     Draft,
     DraftContext,
     Drafter,
@@ -75,6 +77,24 @@ class HybridDrafter:
     def start(self, context: DraftContext) -> HybridSession:
         return HybridSession(self.lookup.start(context), self.model.start(context), self.model.block_size)
 
+    def propose_many(self, sessions: Sequence[DraftSession], max_tokens: Sequence[int]) -> list[Draft]:
+        """Each session's ``propose``: lookups on the host, the model drafter's blocks of the sessions
+        whose lookup found nothing in one forward when it drafts for several at once."""
+        mine = [s for s in sessions if isinstance(s, HybridSession)]
+        if len(mine) != len(sessions):
+            raise DrafterError("propose_many takes sessions of this drafter only.")
+        drafts = {i: found for i, s in enumerate(mine) if (found := s.look_up(max_tokens[i])) is not None}
+        misses = [i for i in range(len(mine)) if i not in drafts]
+        limits = [min(max_tokens[i], self.model.block_size - 1) for i in misses]
+        models = [mine[i].model_session for i in misses]
+        if isinstance(self.model, BatchDrafting) and len(misses) > 1:
+            made = self.model.propose_many(models, limits)
+        else:
+            made = [m.propose(k) for m, k in zip(models, limits, strict=True)]
+        for i, draft in zip(misses, made, strict=True):
+            drafts[i] = mine[i].took_model(draft)
+        return [drafts[i] for i in range(len(mine))]
+
 
 class HybridSession:
     def __init__(self, lookup: DraftSession, model: DraftSession, model_block: int) -> None:
@@ -86,13 +106,27 @@ class HybridSession:
         self._pre: PreDraft | None = None
 
     def propose(self, max_tokens: int) -> Draft:
+        found = self.look_up(max_tokens)
+        if found is not None:
+            return found
+        return self.took_model(self._model.propose(min(max_tokens, self._model_block - 1)))
+
+    def look_up(self, max_tokens: int) -> Draft | None:
+        """The lookup's draft, if it found one (the model drafter then holds no proposal this step)."""
         found = self._lookup.propose(max_tokens)
-        if len(found) > 0:
-            self._model.propose(0)  # the model drafter holds no proposal this step
-            draft, self._from_model = found, False
-        else:
-            draft, self._from_model = self._model.propose(min(max_tokens, self._model_block - 1)), True
-        self._proposed = len(draft)
+        if len(found) == 0:
+            return None
+        self._model.propose(0)
+        self._from_model, self._proposed = False, len(found)
+        return found
+
+    @property
+    def model_session(self) -> DraftSession:
+        return self._model
+
+    def took_model(self, draft: Draft) -> Draft:
+        """Use the model drafter's ``draft`` (made by its session) as this step's proposal."""
+        self._from_model, self._proposed = True, len(draft)
         return draft
 
     def can_predraft(self) -> bool:
