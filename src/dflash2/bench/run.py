@@ -467,8 +467,6 @@ def _cli_args(args: argparse.Namespace) -> list[str]:
         out.append(f"--predraft-ablation {args.predraft_ablation}")
     elif args.concurrency:
         out += [f"--concurrency {args.concurrency}", f"--concurrency-configs {args.concurrency_configs}"]
-        if args.dflash_drafter:
-            out.append(f"--dflash-drafter {args.dflash_drafter}")
     else:
         out.append(f"--configs {args.configs}")
     if args.schedule != "auto":
