@@ -386,12 +386,10 @@ class DFlashModel(nn.Module):
         rows; nothing on the host is read or changed (the caller advances ``cache.length``).
         """
         part = self.part(context, block_embeds.shape[1], cache, start, count)
-        x = block_embeds
-        for i, layer in enumerate(self.layers):
-            x = layer(x, [part], i)
+        states = self._states(block_embeds, [part])
         if part.positions is None:
             cache.advance(context.shape[1])  # the block's keys/values are dropped again
-        return rms_norm(x, self.norm, self.spec.rms_norm_eps)
+        return states
 
     def forward_many(
         self, block_embeds: torch.Tensor, contexts: Sequence[torch.Tensor], caches: Sequence[KVCache]
@@ -400,11 +398,15 @@ class DFlashModel(nn.Module):
         context ``contexts[i]`` [1, C_i, D] and cache ``caches[i]``; the weights are read once."""
         block = block_embeds.shape[1]
         parts = [self.part(c, block, cache) for c, cache in zip(contexts, caches, strict=True)]
-        x = block_embeds
-        for i, layer in enumerate(self.layers):
-            x = layer(x, parts, i)
+        states = self._states(block_embeds, parts)
         for context, cache in zip(contexts, caches, strict=True):
             cache.advance(context.shape[1])
+        return states
+
+    def _states(self, x: torch.Tensor, parts: Sequence[DraftPart]) -> torch.Tensor:
+        """Every layer over the blocks ``x`` [S, T, D] of ``parts``' sessions, then the final norm."""
+        for i, layer in enumerate(self.layers):
+            x = layer(x, parts, i)
         return rms_norm(x, self.norm, self.spec.rms_norm_eps)
 
     def part(

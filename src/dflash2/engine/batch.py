@@ -149,13 +149,12 @@ class Batcher:
                 continue
             try:
                 wanted = r.wanted()
-                if wanted is None or r.session is None:
+                if wanted is None:
                     drafts[i] = r.no_draft()
                 elif isinstance(r.drafter, BatchDrafting):
                     grouped.setdefault(id(r.drafter), []).append((i, wanted))
                 else:
-                    start = time.perf_counter()
-                    drafts[i] = r.drafted(r.session.propose(wanted), time.perf_counter() - start)
+                    drafts[i] = r.draft(wanted)
             except Exception as err:  # raised in that stream's consumer
                 s.error = err
         for members in grouped.values():
@@ -215,9 +214,6 @@ class Batcher:
                     s.emitted = r.prefilled(out.logits[0, -1], hidden)
                 else:
                     r.counters.verify_s += seconds
-                    r.batch_size = len(live)
-                    s.emitted = r.settle(draft, Verified(out.logits[0], hidden))[0]
+                    s.emitted = r.settle(draft, Verified(out.logits[0], hidden), len(live))[0]
             except Exception as err:
                 s.error = err
-            finally:
-                r.batch_size = 1

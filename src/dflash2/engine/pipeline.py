@@ -46,7 +46,7 @@ class AsyncPipeline:
         self._policy = policy
         self._batcher = batcher
         self._ready: Draft | None = None  # a pre-draft that verification confirmed
-        # a seeded sample must not depend on timing: such requests keep one schedule
+        # a seeded sample must not depend on timing or neighbours: such requests take the batcher's steps
         sampling = request.sampling
         self._fixed = not sampling.greedy and sampling.seed is not None
 
@@ -71,7 +71,7 @@ class AsyncPipeline:
         overlapped = emitted is None
         if emitted is None:  # pre-draft as far as this step drafted
             emitted = await self._verify_while_predrafting(draft, min(len(draft), r.room - len(draft) - 1))
-        if can_overlap and not self._fixed:
+        if can_overlap:
             self._policy.record(overlapped, time.perf_counter() - started, len(emitted))
         return emitted
 
@@ -86,7 +86,7 @@ class AsyncPipeline:
         session = r.session
         ahead = r.room - len(draft) - 1
         can_overlap = len(draft) > 0 and ahead > 0 and isinstance(session, PreDrafting) and session.can_predraft()
-        if can_overlap and (self._fixed or self._policy.overlap_next()):
+        if can_overlap and self._policy.overlap_next():
             return draft, None, True
         emitted, _ = r.check(draft)
         return draft, emitted, can_overlap

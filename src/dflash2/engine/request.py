@@ -83,7 +83,6 @@ class Request:
         self.generated = 0
         self.started = False
         self.closed = False
-        self.batch_size = 1  # streams in the target forward of the step being settled (see engine.batch)
         self._lock = threading.Lock()
         self._phases = 0  # phases running now (in worker threads)
 
@@ -183,10 +182,13 @@ class Request:
     def propose(self) -> Draft:
         """A draft from the verified state, as long as the draft-length policy says (maybe none)."""
         wanted = self.wanted()
-        if wanted is None or self.session is None:
-            return self.no_draft()
+        return self.no_draft() if wanted is None else self.draft(wanted)
+
+    def draft(self, wanted: int) -> Draft:
+        """The session's draft of (at most) ``wanted`` tokens, timed; 0: it drafts nothing, it only keeps up."""
+        assert self.session is not None
         start = time.perf_counter()
-        draft = self.session.propose(wanted)  # 0: the session drafts nothing, it only keeps up
+        draft = self.session.propose(wanted)
         return self.drafted(draft, time.perf_counter() - start)
 
     def wanted(self) -> int | None:
@@ -225,8 +227,9 @@ class Request:
         self.counters.verify_s += time.perf_counter() - start
         return verified
 
-    def settle(self, draft: Draft, verified: Verified) -> tuple[list[int], Outcome]:
-        """Accept, roll the cache back to what stays, tell the drafter; return the new tokens."""
+    def settle(self, draft: Draft, verified: Verified, batch_size: int = 1) -> tuple[list[int], Outcome]:
+        """Accept, roll the cache back to what stays, tell the drafter; return the new tokens.
+        ``batch_size``: the streams whose steps ran in that target forward (see ``engine.batch``)."""
         assert self.cache is not None
         start = time.perf_counter()
         tokens = draft.tokens.to(self.target.device)
@@ -248,7 +251,7 @@ class Request:
         self.generated += len(emitted)
         self.counters.steps += 1
         self.counters.acceptance_lengths.append(len(emitted))
-        self.counters.batch_sizes.append(self.batch_size)
+        self.counters.batch_sizes.append(batch_size)
         self.counters.verify_s += time.perf_counter() - start
         return emitted, outcome
 

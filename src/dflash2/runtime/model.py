@@ -321,15 +321,15 @@ class Decoder(nn.Module):
             [torch.arange(p.cache.length, p.cache.length + n, device=device) for p, n in zip(parts, sizes, strict=True)]
         )
         ids = torch.cat([ids.to(device) for ids, _, _ in blocks])[None]
-        _, normed, hidden = self._layers(self.embed(ids), self.rope.at(positions), parts, capture, True)
-        assert normed is not None
+        x, normed, hidden = self._layers(self.embed(ids), self.rope.at(positions), parts, capture, False)
         for cache, size in zip(caches, sizes, strict=True):
             cache.advance(size)
         rows: list[int] = []  # the rows whose logits are wanted, block after block
         for i, (_, _, every) in enumerate(blocks):
             rows += range(bounds[i], bounds[i + 1]) if every else [bounds[i + 1] - 1]
         counts = [size if every else 1 for size, (_, _, every) in zip(sizes, blocks, strict=True)]
-        logits = self.lm_head(normed[:, rows]).split(counts, dim=1)
+        wanted = self.final_norm(x[:, rows]) if normed is None else normed[:, rows]
+        logits = self.lm_head(wanted).split(counts, dim=1)
         return [
             ForwardOutput(logits[i], hidden[:, part.rows] if hidden is not None else None)
             for i, part in enumerate(parts)
