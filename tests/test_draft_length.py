@@ -7,6 +7,7 @@ depend on this machine's timing; speed itself is measured in the benchmarks.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,46 @@ def test_seeded_sampling_keeps_whole_blocks(paths: dict[str, Path]) -> None:
 def test_calibration_times_every_block_length(paths: dict[str, Path]) -> None:
     model = dflash2.load(paths["target"], drafter="ngram")
     assert set(model.lengths.summary()["verify_s"]) == set(range(1, model.drafter.block_size + 1))  # type: ignore[union-attr]
+
+
+def test_a_shared_forward_prices_a_stream_at_its_share() -> None:
+    policy = DraftLengthPolicy()
+    for tokens in range(1, 6):  # alone: 1 s fixed, 0.1 s a token
+        policy.record_verify(tokens, 1.0 + 0.1 * tokens)
+    assert policy.costs(4, batch=4) == policy.costs(4)  # no packed forward timed yet: alone's curve
+    for tokens in (8, 12, 20, 40, 8, 32):  # four streams (compute-bound): 0.4 s fixed, 0.1 s a token
+        policy.record_packed(4, tokens, 0.4 + 0.1 * tokens)
+    shared = policy.costs(4, batch=4)
+    assert shared == pytest.approx([0.1 + 0.1 * (k + 1) for k in range(5)])
+    assert policy.costs(4, batch=2) == policy.costs(4)  # another batch size: not known
+    assert policy.summary()["packed_fixed_s"] == {4: pytest.approx(0.4)}
+    # 40 % per position: alone, where a step's fixed second dominates, drafting pays; at a quarter
+    # of the fixed cost each draft's rows cost more than it is expected to save
+    request = policy.start()
+    accept = [0.4] * 4
+    assert best_length(accept, policy.costs(4) or [], 4) > 0
+    assert best_length(accept, shared, 4) == 0
+    for accepted in (4, 0, 4, 0, 0):  # 40 % for the first draft, the rest right after a right one
+        request.record_outcome(4, accepted)
+    assert request.choose(4, batch=4) == 0 and request.choose(4) == 4
+
+
+def test_a_packed_line_needs_token_counts_that_vary() -> None:
+    policy = DraftLengthPolicy()
+    policy.record_verify(1, 1.0)
+    for _ in range(10):
+        policy.record_packed(8, 8, 3.0)  # every stream plain: fixed and per-token parts inseparable
+    assert policy.costs(2, batch=8) == policy.costs(2)
+    assert policy.summary()["packed_fixed_s"] == {}
+
+
+@pytest.mark.anyio
+async def test_concurrent_streams_time_their_packed_forwards(paths: dict[str, Path]) -> None:
+    model = dflash2.load(paths["target"], drafter="ngram")
+    alone = [(await model.agenerate(p, max_new_tokens=30)).token_ids for p in SPEC_PROMPTS]
+    together = await asyncio.gather(*(model.agenerate(p, max_new_tokens=30) for p in SPEC_PROMPTS))
+    assert [c.token_ids for c in together] == alone
+    assert model.lengths._packed  # every batch without a prompt in it was timed, by its size
 
 
 def test_bad_policy_options() -> None:

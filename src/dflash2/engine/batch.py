@@ -148,7 +148,7 @@ class Batcher:
                 drafts[i] = s.ready
                 continue
             try:
-                wanted = r.wanted()
+                wanted = r.wanted(len(steps))
                 if wanted is None:
                     drafts[i] = r.no_draft()
                 elif isinstance(r.drafter, BatchDrafting):
@@ -205,6 +205,11 @@ class Batcher:
                 s.error = err
             return
         seconds = time.perf_counter() - start
+        if all(draft is not None for _, draft, _ in live):  # a prompt's rows would distort the line
+            tokens = sum(len(ids) for _, _, ids in live)
+            policies = {id(r.lengths.policy): r.lengths.policy for r in (s.request for s, _, _ in live) if r.lengths}
+            for policy in policies.values():
+                policy.record_packed(len(live), tokens, seconds)
         for (s, draft, _), out in zip(live, outs, strict=True):
             r = s.request
             assert out.logits is not None

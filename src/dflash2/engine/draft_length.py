@@ -9,7 +9,11 @@ k + 1 tokens plus the drafting. So the policy keeps three measurements, all runn
   (a new request trusts the model's history as much as a few steps of its own);
 - the target's forward time by block length, measured on this device when a drafter is set and
   kept current by every serial step;
-- the drafter's time by draft length.
+- the drafter's time by draft length;
+- for steps that share a packed forward with other streams (``engine.batch``), a line fitted per
+  batch size B: seconds = fixed_B + per_token_B * tokens. A stream's step in such a batch costs its
+  share of the fixed part plus its own rows, fixed_B / B + per_token_B * (k + 1) + drafting, so the
+  more streams share a forward the less a draft has to save to pay for its rows.
 
 and drafts ``argmax_k yield(k) / cost(k)`` tokens, with k = 0 a plain step that drafts nothing.
 When drafting stops paying the policy still tries a draft now and then, after a wait that doubles
@@ -30,6 +34,7 @@ from dflash2.errors import InvalidOptionError
 LengthMode = Literal["auto", "fixed"]
 DECAY = 0.98  # the model's acceptance totals forget old requests slowly
 EMA = 0.25  # weight of a new timing in a running mean
+MIN_SPREAD = 1.0  # variance of the token counts (tokens²) a packed-forward line needs before it is used
 
 
 def expected_yield(accept: Sequence[float], k: int) -> float:
@@ -39,6 +44,29 @@ def expected_yield(accept: Sequence[float], k: int) -> float:
         reach *= p
         total += reach
     return total
+
+
+class _Line:
+    """A least-squares line seconds = fixed + per_token * tokens over decayed sums of observations."""
+
+    def __init__(self) -> None:
+        self._n = self._x = self._y = self._xx = self._xy = 0.0
+
+    def record(self, tokens: int, seconds: float) -> None:
+        d = DECAY
+        self._n, self._x, self._y = d * self._n + 1, d * self._x + tokens, d * self._y + seconds
+        self._xx, self._xy = d * self._xx + tokens * tokens, d * self._xy + tokens * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(fixed, per_token)``, both ≥ 0, or ``None`` while the token counts seen barely vary."""
+        if self._n < 2:
+            return None
+        mean_x, mean_y = self._x / self._n, self._y / self._n
+        var = self._xx / self._n - mean_x * mean_x
+        if var < MIN_SPREAD:
+            return None
+        slope = max(0.0, (self._xy / self._n - mean_x * mean_y) / var)
+        return max(0.0, mean_y - slope * mean_x), slope
 
 
 def best_length(accept: Sequence[float], cost: Sequence[float], limit: int, lowest: int = 0) -> int:
@@ -86,6 +114,7 @@ class DraftLengthPolicy:
     max_recheck_every: int = 512  # ... doubling while drafting keeps losing, up to this many
     _verify: _Means = field(default_factory=_Means)
     _draft: _Means = field(default_factory=_Means)
+    _packed: dict[int, _Line] = field(default_factory=dict)  # by batch size
     _accepted: list[float] = field(default_factory=list)  # by position, decayed
     _tried: list[float] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -109,6 +138,11 @@ class DraftLengthPolicy:
         with self._lock:
             self._verify.record(tokens, seconds)
 
+    def record_packed(self, rows: int, tokens: int, seconds: float) -> None:
+        """A packed target forward over ``rows`` streams' blocks, ``tokens`` in all, took ``seconds``."""
+        with self._lock:
+            self._packed.setdefault(rows, _Line()).record(tokens, seconds)
+
     def record_draft(self, tokens: int, seconds: float) -> None:
         with self._lock:
             self._draft.record(tokens, seconds)
@@ -124,17 +158,32 @@ class DraftLengthPolicy:
                 (self._accepted[i] + 1) / (self._tried[i] + 2) if i < len(self._tried) else 0.5 for i in range(length)
             ]
 
-    def costs(self, limit: int) -> list[float] | None:
-        """Seconds of a step drafting k = 0 .. ``limit`` tokens, or ``None`` before any forward was timed."""
+    def costs(self, limit: int, batch: int = 1) -> list[float] | None:
+        """Seconds of a step drafting k = 0 .. ``limit`` tokens, or ``None`` before any forward was timed.
+
+        ``batch`` > 1: the step's share of a packed forward of that many streams, once that batch
+        size's line is known (until then, and alone, a forward of its own)."""
         with self._lock:
-            if self._verify.at(1) is None:
+            line = self._packed[batch].fit() if batch > 1 and batch in self._packed else None
+            if line is None and self._verify.at(1) is None:
                 return None
             draft = [0.0] + [self._draft.at(k) or 0.0 for k in range(1, limit + 1)]
+            if line is not None:
+                fixed, per_token = line
+                return [fixed / batch + per_token * (k + 1) + draft[k] for k in range(limit + 1)]
             return [(self._verify.at(k + 1) or 0.0) + draft[k] for k in range(limit + 1)]
 
     def summary(self) -> dict[str, dict[int, float]]:
         with self._lock:
-            return {"verify_s": self._verify.known(), "draft_s": self._draft.known()}
+            lines = {b: line.fit() for b, line in self._packed.items()}
+            packed = {b: fit[0] for b, fit in lines.items() if fit is not None}
+            per_token = {b: fit[1] for b, fit in lines.items() if fit is not None}
+            return {
+                "verify_s": self._verify.known(),
+                "draft_s": self._draft.known(),
+                "packed_fixed_s": packed,
+                "packed_per_token_s": per_token,
+            }
 
 
 def _count(accepted: list[float], tried: list[float], proposed: int, kept: int, decay: float = 1.0) -> None:
@@ -169,14 +218,14 @@ class DraftLength:
         own = [(self._accepted[i], self._tried[i]) if i < len(self._tried) else (0.0, 0.0) for i in range(length)]
         return [(a + w * p) / (n + w) for (a, n), p in zip(own, prior, strict=True)]
 
-    def choose(self, limit: int) -> int:
-        """Tokens to draft now, at most ``limit``."""
-        k = self._choose(limit) if limit > 0 else 0
+    def choose(self, limit: int, batch: int = 1) -> int:
+        """Tokens to draft now, at most ``limit``; ``batch``: the streams whose steps share this forward."""
+        k = self._choose(limit, batch) if limit > 0 else 0
         self.chosen.append(k)
         return k
 
-    def _choose(self, limit: int) -> int:
-        costs = self.policy.costs(limit)
+    def _choose(self, limit: int, batch: int) -> int:
+        costs = self.policy.costs(limit, batch)
         if self.fixed or costs is None:
             return limit
         accept = self.accept_rates(limit)

@@ -191,13 +191,14 @@ class Request:
         draft = self.session.propose(wanted)
         return self.drafted(draft, time.perf_counter() - start)
 
-    def wanted(self) -> int | None:
-        """How far this step drafts, as the draft-length policy says (ask once per step); ``None``
-        when there is no session or no room, and the step drafts nothing."""
+    def wanted(self, batch: int = 1) -> int | None:
+        """How far this step drafts, as the draft-length policy says (ask once per step) for a step
+        that shares its forward with ``batch`` - 1 other streams; ``None`` when there is no session
+        or no room, and the step drafts nothing."""
         limit = self.draft_limit
         if self.session is None or limit <= 0:
             return None
-        return self.lengths.choose(limit) if self.lengths is not None else limit
+        return self.lengths.choose(limit, batch) if self.lengths is not None else limit
 
     def no_draft(self) -> Draft:
         return Draft(torch.zeros(0, dtype=torch.long, device=self.target.device))
