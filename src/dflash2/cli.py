@@ -1,4 +1,4 @@
-"""The ``dflash2`` command: ``demo``, ``generate``, ``bench`` and ``train-drafter``."""
+"""The ``dflash2`` command: ``demo``, ``generate``, ``serve``, ``bench``, ``train-drafter``, ``check-drafter``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 
 from dflash2.api import Model, load
-from dflash2.errors import DFlash2Error
+from dflash2.errors import DFlash2Error, MissingDependencyError
 from dflash2.stream import Completion
 
 DEMO_QUESTION = "Write a Python function that returns the n-th Fibonacci number, with a short explanation."
@@ -137,6 +137,31 @@ def cmd_train_drafter(args: argparse.Namespace) -> None:
     print(f"drafter written to {path}; use it with dflash2.load(target, drafter={str(path)!r})")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    try:
+        import uvicorn
+
+        from dflash2.serve import Limits, create_app
+    except ImportError as err:
+        why = f"dflash2 serve needs the serve extra: pip install 'dflash2[serve]' ({err})."
+        raise MissingDependencyError(why) from None
+    drafters = args.drafter or []
+    drafter: Any = None if not drafters else drafters[0] if len(drafters) == 1 else drafters
+    model = load(args.model, drafter=drafter, device=args.device, dtype=args.dtype, max_batch=args.max_batch)
+    limits = Limits(max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes)
+    app = create_app(model, args.name, limits)
+    print(f"serving {args.name or model.checkpoint.name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def cmd_check_drafter(args: argparse.Namespace) -> int:
+    from dflash2.drafters.checkup import check_drafter
+
+    report = check_drafter(args.drafter, args.target)
+    print(report.render())
+    return 0 if report.fits else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash2", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -233,17 +258,40 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-minutes", type=float, default=None, help="stop training (and export) after this long")
     train.add_argument("--no-progress", action="store_true")
     train.set_defaults(func=cmd_train_drafter)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    serve.add_argument("model", help="hub id, local directory or .gguf file")
+    serve.add_argument(
+        "--drafter", action="append", help="'ngram', a drafter dir or hub id; twice ('ngram', then a model): hybrid"
+    )
+    serve.add_argument("--name", default=None, help="the model name clients ask for (default: the checkpoint's)")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens allowed (and the default)")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="the largest request body")
+    serve.add_argument("--max-batch", type=int, default=8, help="streams per shared target forward")
+    serve.add_argument("--device", default="auto")
+    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=cmd_serve)
+
+    check = sub.add_parser(
+        "check-drafter", help="what a DFlash checkpoint reads (block, layers, vocabulary, RoPE) and whether it fits"
+    )
+    check.add_argument("drafter", help="the drafter's directory or hub id")
+    check.add_argument("--target", default=None, help="the target it should draft for: hub id, dir or .gguf")
+    check.set_defaults(func=cmd_check_drafter)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        code = args.func(args)
     except DFlash2Error as err:
         print(f"dflash2: error: {err}", file=sys.stderr)
         return 2
-    return 0
+    return int(code or 0)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,16 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
-CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}
 SPECIALS = ["<s>", "</s>", "<pad>"]
 BOS, EOS, PAD = 256, 257, 258
 BYTE_VOCAB = 260
@@ -73,8 +80,11 @@ def random_config(arch: str = "llama", **overrides: Any) -> Any:
         "pad_token_id": PAD,
         "tie_word_embeddings": False,
     }
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = 16
+    if arch == "qwen3_moe":  # 4 experts, 2 per token; the last layer dense, as mlp_only_layers allows
+        kwargs.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        kwargs["mlp_only_layers"] = [1]
     kwargs.update(overrides)
     return CONFIGS[arch](**kwargs)
 

@@ -34,8 +34,18 @@ from dflash2.runtime.graphs import MAX_BUCKET, Outputs, StaticStep, StepMode, St
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.linear import Linear, pack_linears
 from dflash2.runtime.model import MLP, Decoder, RotaryTable, apply_rope, attend, rms_norm
-from dflash2.runtime.spec import rope_frequencies
+from dflash2.runtime.spec import ModelSpec, rope_frequencies
 from dflash2.sampling import probabilities, sample
+
+
+def spread_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """The target layers a drafter reads when its config names none (as z-lab's reference
+    derives them): ``count`` layers spread evenly from layer 1 to layer L - 3, rounded; one
+    layer: the middle one."""
+    if count == 1:
+        return (num_target_layers // 2,)
+    first, last = 1, num_target_layers - 3
+    return tuple(round(first + (last - first) * i / (count - 1)) for i in range(count))
 
 
 @dataclass(frozen=True)
@@ -80,9 +90,15 @@ class DFlashSpec:
 
         try:
             config = Qwen3Config(**{k: v for k, v in raw.items() if k != "dflash_config"})
+            num_target_layers = value("num_target_layers")
             layer_ids = value("target_layer_ids")
             if not layer_ids:
-                raise DrafterError("the drafter's dflash_config has no target_layer_ids.")
+                if not num_target_layers:
+                    raise DrafterError(
+                        "the drafter's config has neither target_layer_ids nor num_target_layers, so the target "
+                        "layers it reads are unknown; add target_layer_ids to its dflash_config."
+                    )
+                layer_ids = spread_layers(int(num_target_layers), config.num_hidden_layers)
             mask_id = value("mask_token_id")
             if mask_id is None:
                 raise DrafterError("the drafter's dflash_config has no mask_token_id.")
@@ -108,7 +124,7 @@ class DFlashSpec:
                 block_size=int(value("block_size", 16)),
                 mask_token_id=int(mask_id),
                 target_layer_ids=tuple(int(i) for i in layer_ids),
-                num_target_layers=raw.get("num_target_layers"),
+                num_target_layers=int(num_target_layers) if num_target_layers else None,
                 input_embedding_scale=float(value("input_embedding_scale", 1.0)),
                 output_multiplier=float(value("output_multiplier", 1.0)),
                 final_logit_softcapping=float(softcap) if softcap else None,
@@ -123,9 +139,14 @@ class DFlashSpec:
         except (TypeError, ValueError, KeyError) as err:
             raise DrafterError(f"invalid DFlash drafter config: {err}") from err
 
-    def check_target(self, target: Decoder) -> None:
+    def check_target(self, target: ModelSpec) -> None:
         """Raise ``DrafterError`` unless this drafter can read ``target``'s features and share its head."""
-        t = target.spec
+        problems = self.misfits(target)
+        if problems:
+            raise DrafterError("this DFlash drafter does not fit the target: " + "; ".join(problems) + ".")
+
+    def misfits(self, t: ModelSpec) -> list[str]:
+        """What keeps this drafter from drafting for a target of shape ``t`` (nothing: it fits)."""
         problems = []
         if self.hidden_size != t.hidden_size:
             problems.append(f"hidden_size {self.hidden_size} != target's {t.hidden_size}")
@@ -137,8 +158,35 @@ class DFlashSpec:
             problems.append(f"vocab_size {self.vocab_size} != target's {t.vocab_size} (another model family?)")
         if not 0 <= self.mask_token_id < t.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} is not in the target's vocabulary")
-        if problems:
-            raise DrafterError("this DFlash drafter does not fit the target: " + "; ".join(problems) + ".")
+        return problems
+
+    def portable_config(self, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """``raw`` with every field each reader of the format takes from its own place, all saying
+        the same: z-lab's reference under transformers 4 (top-level ``block_size``,
+        ``num_target_layers``, ``rope_theta``, ``rope_scaling``) and 5 (``rope_parameters``),
+        SGLang and vLLM (``dflash_config`` first, then the top level), explicit ``layer_types``."""
+        out = dict(raw)
+        draft = dict(out.get("dflash_config") or {})
+        shared = {
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+        out["dflash_config"] = {**draft, **shared}
+        out.update(shared)
+        if self.num_target_layers is not None:
+            out["num_target_layers"] = self.num_target_layers
+        rope = dict(getattr(self.hf_config, "rope_parameters", None) or {"rope_theta": 10000.0})
+        out.pop("rope_parameters", None)
+        out["rope_parameters"] = rope
+        out["rope_theta"] = rope["rope_theta"]
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        out["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+        out["layer_types"] = ["sliding_attention" if w is not None else "full_attention" for w in self.sliding_windows]
+        window = next((w for w in self.sliding_windows if w is not None), None)
+        out["use_sliding_window"], out["sliding_window"] = window is not None, window
+        out["architectures"] = ["DFlash2DraftModel" if self.version == 2 else "DFlashDraftModel"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -199,17 +247,18 @@ def grouped_dynamic_convolve(
     hidden: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """Causal convolution along the block axis with per-channel ``base`` [K, D] plus per-group
-    ``dynamic`` [B, T, K, G] kernels: ``y_t = sum_o (base_o + dynamic_{t,o}) * x_{t-o}``."""
+    ``dynamic`` [B, T, K, G] kernels: ``y_t = sum_o (base_o + dynamic_{t,o}) * x_{t-o}``.
+
+    One ``unfold`` gives every position its window of the K latest states, newest first, and
+    the per-position kernels (the dynamic part spread over its group's channels) weight them
+    in one product and one sum over the window.
+    """
     b, t, d = hidden.shape
-    groups = d // group_size
-    blocks = hidden.view(b, t, groups, group_size)
-    dynamic = dynamic.reshape(b, t, base.shape[0], groups, 1)
-    out = torch.zeros_like(blocks)
-    for offset in range(base.shape[0]):
-        shifted = blocks if offset == 0 else F.pad(blocks[:, :-offset], (0, 0, 0, 0, offset, 0))
-        out = out + base[offset].view(1, 1, groups, group_size).to(hidden.dtype) * shifted
-        out = torch.addcmul(out, dynamic[:, :, offset], shifted)
-    return out.view_as(hidden)
+    k = base.shape[0]
+    windows = F.pad(hidden, (0, 0, k - 1, 0)).unfold(1, k, 1).flip(-1)  # [B, T, D, K]: x_t, x_{t-1}, ...
+    spread = dynamic.reshape(b, t, k, d // group_size, 1).expand(-1, -1, -1, -1, group_size).reshape(b, t, k, d)
+    kernels = (spread + base.to(hidden.dtype)).transpose(-1, -2)  # [B, T, D, K]
+    return (windows * kernels).sum(-1)
 
 
 class GroupedDynamicConv(nn.Module):
@@ -284,30 +333,34 @@ class CandidateSelector(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Columns of ``logits`` [B, T] and, when sampling, their distributions [B, T, columns].
 
+        A candidate's score is its logit plus a low-rank bond with the token chosen before it,
+        ``<pred(prev) * h_t, succ(candidate)>``. Every bond the walk can meet is computed up
+        front: the anchor's with position 0's candidates, and a [K, K] table between each
+        position's candidates and the next one's. The walk then only looks rows up.
         ``vocab`` maps the columns to token ids when the logits cover only part of the vocabulary.
         """
-        unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
-        candidate_ids = candidates if vocab is None else vocab[candidates]
-        projected = self.hidden_projection(hidden)
-        predecessor = anchor
-        path, rows = [], []
+        unary, columns = torch.topk(logits, self.top_k, dim=-1, sorted=False)  # [B, T, K]
+        ids = columns if vocab is None else vocab[columns]
+        successors = self.successor_codebook(ids) * self.hidden_projection(hidden)[:, :, None, :]  # [B, T, K, R]
+        first = torch.einsum("br,bkr->bk", self.predecessor_codebook(anchor), successors[:, 0])
+        tables = torch.einsum("btjr,btkr->btjk", self.predecessor_codebook(ids[:, :-1]), successors[:, 1:])
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        picks, dense_rows = [], []
+        bond = first
         for position in range(hidden.shape[1]):
-            pair = torch.einsum(
-                "br,bkr->bk",
-                self.predecessor_codebook(predecessor) * projected[:, position],
-                self.successor_codebook(candidate_ids[:, position]),
-            )
-            scores = unary[:, position] + pair
+            scores = unary[:, position] + bond
             if sampling.greedy:
-                index = scores.argmax(-1)
+                pick = scores.argmax(-1)
             else:
                 q = probabilities(scores, sampling)
-                index = sample(q, generator)
+                pick = sample(q, generator)
                 dense = torch.zeros_like(logits[:, position], dtype=q.dtype)
-                rows.append(dense.scatter_add(-1, candidates[:, position], q))
-            path.append(candidates[:, position].gather(-1, index[:, None])[:, 0])
-            predecessor = candidate_ids[:, position].gather(-1, index[:, None])[:, 0]
-        return torch.stack(path, dim=1), torch.stack(rows, dim=1) if rows else None
+                dense_rows.append(dense.scatter_add(-1, columns[:, position], q))
+            picks.append(pick)
+            if position + 1 < hidden.shape[1]:
+                bond = tables[rows, position, pick]
+        path = columns.gather(-1, torch.stack(picks, dim=1)[..., None])[..., 0]
+        return path, torch.stack(dense_rows, dim=1) if dense_rows else None
 
 
 class DFlashModel(nn.Module):
@@ -547,7 +600,7 @@ class DFlashDrafter:
         name: str = "dflash",
         vocab: torch.Tensor | None = None,
     ):
-        model.spec.check_target(target)
+        model.spec.check_target(target.spec)
         self.model = model
         self.target = target
         self.block_size = block_size or model.spec.block_size
@@ -854,7 +907,7 @@ def load_dflash_drafter(
     vocab: torch.Tensor | None = None,
 ) -> DFlashDrafter:
     spec = DFlashSpec.from_config(raw_config)
-    spec.check_target(target)
+    spec.check_target(target.spec)
     # a (pre-)drafted block near the end of the context reaches up to 128 positions past it
     model = DFlashModel.from_zlab_state(spec, tensors, target.spec.max_position_embeddings + 128, target.dtype)
     model = model.to(target.device).eval().requires_grad_(False)

@@ -1,7 +1,8 @@
-"""A Llama / Qwen2 / Qwen3 decoder on ``scaled_dot_product_attention`` with a static KV cache.
+"""A Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder on ``scaled_dot_product_attention`` with a static KV cache.
 
 One readable file in the spirit of gpt-fast: RMSNorm, RoPE, grouped-query attention (with
-q/k-norm for Qwen3), SwiGLU MLP, tied or untied LM head. q/k/v and gate/up projections are
+q/k-norm for Qwen3), SwiGLU MLP (or a mixture of SwiGLU experts, ``runtime.moe``), tied or
+untied LM head. q/k/v and gate/up projections are
 fused into one matrix each. The forward takes a block of T new tokens at once (prefill,
 decoding, verification of a draft), writes their keys/values into the cache and can return
 the hidden states of chosen layers for exactly those tokens.
@@ -20,6 +21,7 @@ from torch import nn
 
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.linear import Linear, pack_linears
+from dflash2.runtime.moe import SparseMoE
 from dflash2.runtime.spec import ModelSpec
 
 
@@ -158,13 +160,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, index: int = 0) -> None:
         super().__init__()
         self.eps = spec.rms_norm_eps
         self.attn_norm = nn.Parameter(torch.ones(spec.hidden_size))
         self.attn = Attention(spec)
         self.mlp_norm = nn.Parameter(torch.ones(spec.hidden_size))
-        self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
+        self.mlp: MLP | SparseMoE
+        if spec.moe is not None and spec.sparse(index):
+            m = spec.moe
+            self.mlp = SparseMoE(spec.hidden_size, m.intermediate_size, m.experts, m.top_k, m.normalize)
+        else:
+            self.mlp = MLP(spec.hidden_size, spec.intermediate_size)
 
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], parts: Sequence[Part], layer: int
@@ -188,7 +195,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = nn.Parameter(torch.ones(spec.hidden_size))
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
         if spec.tie_word_embeddings:
@@ -371,6 +378,24 @@ def _fuse_hf_state(spec: ModelSpec, t: Mapping[str, torch.Tensor]) -> dict[str, 
             out[q + "attn.q_norm"] = t[a + "q_norm.weight"]
             out[q + "attn.k_norm"] = t[a + "k_norm.weight"]
         m = p + "mlp."
+        if spec.sparse(i):
+            out.update({q + "mlp." + k: v for k, v in _experts(spec, t, m).items()})
+            continue
         out[q + "mlp.gate_up.weight"] = torch.cat([t[m + "gate_proj.weight"], t[m + "up_proj.weight"]])
         out[q + "mlp.down.weight"] = t[m + "down_proj.weight"]
+    return out
+
+
+def _experts(spec: ModelSpec, t: Mapping[str, torch.Tensor], m: str) -> dict[str, torch.Tensor]:
+    """A sparse MLP's router and stacked experts, from per-expert names (``experts.3.gate_proj.weight``,
+    as checkpoints on the hub store them) or from transformers 5's fused ``experts.gate_up_proj``."""
+    assert spec.moe is not None
+    out = {"router.weight": t[m + "gate.weight"]}
+    if m + "experts.gate_up_proj" in t:
+        out["gate_up"], out["down"] = t[m + "experts.gate_up_proj"], t[m + "experts.down_proj"]
+        return out
+    e = m + "experts."
+    n = range(spec.moe.experts)
+    out["gate_up"] = torch.stack([torch.cat([t[f"{e}{i}.gate_proj.weight"], t[f"{e}{i}.up_proj.weight"]]) for i in n])
+    out["down"] = torch.stack([t[f"{e}{i}.down_proj.weight"] for i in n])
     return out

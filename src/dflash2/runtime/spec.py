@@ -11,9 +11,31 @@ from transformers import PretrainedConfig
 
 from dflash2.errors import UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # RoPE types whose inverse frequencies do not change with the sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The sparse MLP of a mixture-of-experts decoder: E experts, top-k routing, which layers."""
+
+    experts: int
+    top_k: int
+    intermediate_size: int
+    normalize: bool  # renormalise the k chosen weights to sum to one (``norm_topk_prob``)
+    layers: frozenset[int]
+
+    @classmethod
+    def from_hf_config(cls, config: PretrainedConfig) -> MoESpec:
+        """Qwen3-MoE's rule: layer i is sparse unless in ``mlp_only_layers``, every ``decoder_sparse_step``-th."""
+        experts, step = int(config.num_experts), int(getattr(config, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(config, "mlp_only_layers", None) or [])
+        layers = frozenset(
+            i for i in range(config.num_hidden_layers) if i not in dense and experts > 0 and (i + 1) % step == 0
+        )
+        return cls(experts, int(config.num_experts_per_tok), int(config.moe_intermediate_size),
+                   bool(config.norm_topk_prob), layers)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -36,6 +58,11 @@ class ModelSpec:
     rope_type: str
     eos_token_ids: tuple[int, ...]
     hf_config: PretrainedConfig
+    moe: MoESpec | None = None  # a mixture-of-experts model's routing (Qwen3-MoE); None: dense
+
+    def sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is the mixture of experts."""
+        return self.moe is not None and layer in self.moe.layers
 
     @classmethod
     def from_hf_config(cls, config: PretrainedConfig) -> ModelSpec:
@@ -71,10 +98,11 @@ class ModelSpec:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama and Qwen3 read `attention_bias`.
             attention_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope_type=rope_type,
             eos_token_ids=eos_ids,
             hf_config=config,
+            moe=MoESpec.from_hf_config(config) if model_type == "qwen3_moe" else None,
         )
 
     def rope_inv_freq(self) -> tuple[torch.Tensor, float]:
@@ -83,7 +111,7 @@ class ModelSpec:
 
 def rope_type_of(config: PretrainedConfig) -> str:
     """The config's RoPE type, rejected unless its frequencies are static."""
-    rope_type = str(_rope_parameters(config).get("rope_type", "default"))
+    rope_type = str(rope_parameters_of(config).get("rope_type", "default"))
     if rope_type not in STATIC_ROPE_TYPES:
         raise UnsupportedModelError(
             f"rope_type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}."
@@ -96,7 +124,7 @@ def rope_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Ten
     rope_type = rope_type_of(config)
     with torch.device("cpu"):  # real values even while a model is being built on "meta"
         if rope_type == "default":
-            theta = _rope_parameters(config)["rope_theta"]
+            theta = rope_parameters_of(config)["rope_theta"]
             exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
             return 1.0 / (theta**exponents), 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -105,7 +133,8 @@ def rope_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Ten
         return inv_freq.float(), float(scaling)
 
 
-def _rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
+def rope_parameters_of(config: PretrainedConfig) -> dict[str, Any]:
+    """The RoPE settings of a transformers 5 (``rope_parameters``) or 4 (``rope_theta`` / ``rope_scaling``) config."""
     params = getattr(config, "rope_parameters", None)
     if params is None:  # transformers < 5 keeps rope_theta / rope_scaling apart
         params = dict(getattr(config, "rope_scaling", None) or {})

@@ -122,9 +122,3 @@ class TrainConfig:
             return self.gamma
         return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, max(1.0, self.block_size / 2.2))
 
-
-def spread_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
-    """``target_layer_ids`` of the recipe: round(1 + i (L - 4) / (n - 1)); n = 1 gives L // 2."""
-    if count == 1:
-        return (num_target_layers // 2,)
-    return tuple(round(1 + i * (num_target_layers - 4) / (count - 1)) for i in range(count))

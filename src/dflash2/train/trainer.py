@@ -35,14 +35,15 @@ from dflash2.drafters.dflash import (
     DraftPart,
     ours_to_zlab,
     read_draft_vocab,
+    spread_layers,
 )
 from dflash2.errors import DrafterError
 from dflash2.runtime.device import resolve_device
 from dflash2.runtime.loader import load_safetensors
-from dflash2.runtime.model import DecoderLayer, rms_norm
+from dflash2.runtime.model import MLP, DecoderLayer, rms_norm
 from dflash2.tokenize import encode_prompt
 from dflash2.train import corpus, distributed, onpolicy, realistic
-from dflash2.train.config import TrainConfig, spread_layers
+from dflash2.train.config import TrainConfig
 from dflash2.train.data import TrainingSequence, cache_features, generate_responses, load_sequences, with_features
 from dflash2.train.distributed import Group
 from dflash2.train.objective import (
@@ -120,6 +121,11 @@ def _copy_target_layers(model: DFlashModel, target: Model) -> None:
     q_rows = model.spec.num_heads * model.spec.head_dim
     for drafter_layer, target_layer in zip(model.layers, layers[len(layers) - len(model.layers) :], strict=True):
         mine, theirs = cast(DFlashLayer, drafter_layer), cast(DecoderLayer, target_layer)
+        if not isinstance(theirs.mlp, MLP):
+            raise DrafterError(
+                "init='target' copies the target's last layers, which are mixture-of-experts layers here; "
+                "use init='random'."
+            )
         qkv = theirs.attn.qkv.weight
         mine.attn.q_proj.weight.copy_(qkv[:q_rows])
         mine.attn.kv_proj.weight.copy_(qkv[q_rows:])
@@ -350,7 +356,7 @@ def _train(cfg: TrainConfig, group: Group, progress: bool) -> Path:
     else:
         config = drafter_config(target, cfg)
     spec = DFlashSpec.from_config(config)
-    spec.check_target(target.target)
+    spec.check_target(target.target.spec)
     layer_ids = spec.target_layer_ids
     if cfg.refine is not None:  # what the loss weights and blocks need is the refined drafter's block
         cfg = replace(cfg, block_size=spec.block_size)
@@ -523,7 +529,8 @@ def export(
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
+    dtype_name = str(dtype).removeprefix("torch.")
+    config = {**model.spec.portable_config(config), "torch_dtype": dtype_name, "dtype": dtype_name}
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (directory / "training_log.json").write_text(json.dumps(history) + "\n")
     vocab_file = directory / DRAFT_VOCAB_FILE
