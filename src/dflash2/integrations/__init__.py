@@ -1,0 +1,1 @@
+"""Adapters to frameworks users already build with (each behind its own optional extra)."""
