@@ -263,3 +263,17 @@ def test_dflash2_exports_load_in_the_reference(tmp_path: Path, version: int) -> 
     found = drive(reference.double().eval(), again, hf, list(range(5, 30)), 0.0)
     assert max(found.logits_diff) <= TOLERANCE
     assert all(theirs == ours for theirs, ours in found.paths)
+
+
+def test_the_shipped_drafter_reads_the_same_everywhere() -> None:
+    """Its config carries every field the readers look for, and the reference loads every weight."""
+    from dflash2.demo_model import shipped_drafter
+
+    shipped = shipped_drafter()
+    assert shipped is not None
+    raw = json.loads((shipped / "config.json").read_text())
+    assert DFlashSpec.from_config(raw).portable_config(raw) == raw
+    assert (raw["block_size"], raw["rope_theta"], raw["num_target_layers"]) == (8, 100000.0, 30)
+    reference, info = ref.DFlashDraftModel.from_pretrained(shipped, output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert reference.block_size == 8 and list(reference.target_layer_ids) == [1, 14, 27]
