@@ -166,3 +166,38 @@ def test_malformed_and_oversized_bodies(server: str) -> None:
     assert httpx.post(server + "/v1/chat/completions", json=huge).status_code == 413
     with pytest.raises(openai.BadRequestError, match="context"):
         _client(server).completions.create(model=NAME, prompt="a" * 600, max_tokens=8)
+
+
+def test_a_client_that_leaves_a_whole_answer_cancels_it(paths: dict[str, Path]) -> None:
+    """Non-streamed: the server notices the disconnect while generating and stops the stream."""
+    import threading
+
+    import uvicorn
+
+    from dflash2.bench.reliability import SlowForward
+    from dflash2.serve import Limits, create_app
+
+    model = dflash2.load(paths["target"])
+    slow = SlowForward(model, 0.05)  # 64 tokens: over 3 s of forwards
+    port = _free_port()
+    app = create_app(model, NAME, Limits(max_tokens=64))
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        body = {"model": NAME, "messages": MESSAGES, "max_tokens": 64, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 1.0  # well before the answer would be done
+        while httpx.get(url + "/health").json()["active_streams"] != 0:
+            assert time.monotonic() < deadline, "the stream outlived its client"
+            time.sleep(0.02)
+        calls = slow.calls
+        time.sleep(0.3)
+        assert slow.calls == calls and calls < 30  # no forward since
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -3,8 +3,9 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent
 events or whole), ``GET /v1/models``, ``GET /health``. Every request is one ``model.stream``;
 concurrent requests are concurrent streams, so they share the target's forwards (continuous
-batching). A client that disconnects mid-stream cancels its stream within one step: Starlette
-cancels the response's task, and leaving ``async with model.stream(...)`` closes the stream.
+batching). A client that disconnects cancels its stream within one step: mid-stream Starlette
+cancels the response's task; while a whole answer is generated a watcher cancels it; either way
+leaving ``async with model.stream(...)`` closes the stream.
 Bad requests get OpenAI-shaped 4xx errors; an unexpected failure a 500 without its traceback.
 """
 
@@ -15,6 +16,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -75,7 +77,7 @@ class Server:
                 events = self._events(job)
                 await anext_ready(events)  # starts the stream: a bad prompt is still a 4xx here
                 return StreamingResponse(events, media_type="text/event-stream")
-            return JSONResponse(await self._whole(job))
+            return JSONResponse(await self._whole(job, request))
         except APIError as err:
             return JSONResponse(err.body(), status_code=err.status)
 
@@ -101,13 +103,17 @@ class Server:
         except DFlash2Error as err:
             raise APIError(400, str(err)) from None
 
-    async def _whole(self, job: Job) -> dict[str, Any]:
+    async def _whole(self, job: Job, request: Request) -> dict[str, Any]:
+        """Generate to the end, unless the client goes away first: then the stream is cancelled."""
         stream = self._open(job)
         self.active += 1
         try:
-            async with stream:
-                async for _ in stream:
-                    pass
+            async with anyio.create_task_group() as group:
+                group.start_soon(_cancel_on_disconnect, request, group.cancel_scope)
+                async with stream:
+                    async for _ in stream:
+                        pass
+                group.cancel_scope.cancel()  # done: stop watching
         except DFlash2Error as err:
             log.warning("generation failed: %s", err)
             raise APIError(500, "generation failed; see the server log.") from None
@@ -141,6 +147,15 @@ class Server:
             yield _sse(failure.body())
         finally:
             self.active -= 1
+
+
+async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    """Cancel ``scope`` when the client disconnects (the body has been read: the next message is that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
 
 
 async def anext_ready(events: AsyncIterator[str]) -> None:
