@@ -201,3 +201,16 @@ def test_a_client_that_leaves_a_whole_answer_cancels_it(paths: dict[str, Path]) 
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_protocol_defaults_and_limits() -> None:
+    from dflash2.serve import Limits
+    from dflash2.serve.protocol import parse_chat, parse_completion
+
+    job = parse_completion({"model": NAME, "prompt": "hi"}, NAME, Limits(max_tokens=8))
+    assert job.options["max_new_tokens"] == 8 and not job.chat  # OpenAI's 16, within the cap
+    chat = parse_chat({"model": NAME, "messages": MESSAGES, "user": "u1", "n": 1, "logprobs": False}, NAME, Limits())
+    assert chat.options == {"max_new_tokens": 1024, "temperature": 1.0, "top_p": 1.0}  # OpenAI's defaults
+    for bad in ({"max_tokens": 0}, {"max_body_bytes": -1}):
+        with pytest.raises(dflash2.InvalidOptionError):
+            Limits(**bad)

@@ -147,8 +147,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise MissingDependencyError(why) from None
     drafters = args.drafter or []
     drafter: Any = None if not drafters else drafters[0] if len(drafters) == 1 else drafters
+    limits = Limits(max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes)  # checked before the load
     model = load(args.model, drafter=drafter, device=args.device, dtype=args.dtype, max_batch=args.max_batch)
-    limits = Limits(max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes)
     app = create_app(model, args.name, limits)
     print(f"serving {args.name or model.checkpoint.name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash2.errors import InvalidOptionError
 from dflash2.stream import Stats
 
 # fields that do not change what is generated
@@ -61,6 +62,12 @@ class Limits:
     max_tokens: int = 1024
     max_body_bytes: int = 1 << 20
 
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "max_body_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidOptionError(f"{name} must be a positive int, got {value!r}.")
+
 
 @dataclass(frozen=True)
 class Job:
@@ -98,7 +105,7 @@ def parse_completion(body: Any, served: str, limits: Limits) -> Job:
     if not isinstance(prompt, str) or not prompt:
         raise APIError(400, "'prompt' must be one non-empty string (batches of prompts are not supported).", "prompt")
     if "max_tokens" not in body:
-        body = {**body, "max_tokens": 16}  # OpenAI's default for completions
+        body = {**body, "max_tokens": min(16, limits.max_tokens)}  # OpenAI's default for completions
     return _job(body, served, limits, prompt, chat=False)
 
 
