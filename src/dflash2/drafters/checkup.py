@@ -3,7 +3,6 @@ and whether it fits a target, read from the files' headers without loading any w
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +11,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dflash2.drafters.dflash import DFlashModel, DFlashSpec, check_vocab, ours_to_zlab, read_draft_vocab
-from dflash2.errors import DrafterError
-from dflash2.runtime.loader import load_hf_config, read_config, resolve_checkpoint
+from dflash2.errors import DFlash2Error, DrafterError
+from dflash2.runtime.loader import load_hf_config, read_config, resolve_checkpoint, safetensors_files
 from dflash2.runtime.spec import ModelSpec, rope_parameters_of
 
 
@@ -101,14 +100,10 @@ def _rope(spec: DFlashSpec) -> str:
 
 def _weights(spec: DFlashSpec, checkpoint: Path) -> list[str]:
     """Missing, unexpected or misshapen tensors, from the safetensors headers."""
-    index = checkpoint / "model.safetensors.index.json"
     try:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else None
-    except (ValueError, KeyError, TypeError) as err:
-        return [f"{index} is not a safetensors index ({err})"]
-    names = files or sorted(p.name for p in checkpoint.glob("*.safetensors"))
-    if not names:
-        return [f"{checkpoint} has no *.safetensors weights"]
+        names = safetensors_files(checkpoint)
+    except DFlash2Error as err:
+        return [str(err)]
     found: dict[str, tuple[int, ...]] = {}
     for name in names:
         try:

@@ -33,7 +33,7 @@ from dflash2.runtime.graphs import MAX_BUCKET, Outputs, StaticStep, StepMode, St
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.linear import Linear, pack_linears
 from dflash2.runtime.model import MLP, Decoder, RotaryTable, apply_rope, attend, rms_norm
-from dflash2.runtime.spec import ModelSpec, rope_frequencies
+from dflash2.runtime.spec import ModelSpec, rope_frequencies, rope_parameters_of
 from dflash2.sampling import probabilities, sample
 
 
@@ -175,7 +175,7 @@ class DFlashSpec:
         out.update(shared)
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers
-        rope = dict(getattr(self.hf_config, "rope_parameters", None) or {"rope_theta": 10000.0})
+        rope = rope_parameters_of(self.hf_config)
         out.pop("rope_parameters", None)
         out["rope_parameters"] = rope
         out["rope_theta"] = rope["rope_theta"]

@@ -195,8 +195,8 @@ def load_hf_config(checkpoint: Path) -> PretrainedConfig:
     return config
 
 
-def load_safetensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a single-file or sharded (``model.safetensors.index.json``) checkpoint."""
+def safetensors_files(checkpoint: Path) -> list[str]:
+    """The weight files of a single-file or sharded (``model.safetensors.index.json``) checkpoint."""
     index = checkpoint / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -210,8 +210,13 @@ def load_safetensors(checkpoint: Path) -> dict[str, torch.Tensor]:
             f"{checkpoint} has no *.safetensors weights (dflash2 never loads pickled .bin files); "
             "convert the checkpoint with transformers' save_pretrained(safe_serialization=True)."
         )
+    return files
+
+
+def load_safetensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a single-file or sharded (``model.safetensors.index.json``) checkpoint."""
     tensors: dict[str, torch.Tensor] = {}
-    for name in files:
+    for name in safetensors_files(checkpoint):
         path = checkpoint / name
         try:
             with safe_open(str(path), framework="pt") as f:
