@@ -212,7 +212,7 @@ class Model:
 
     def stream_sync(self, prompt: Prompt, **options: Unpack[GenerationOptions]) -> BlockingTokenStream:
         """``for tok in model.stream_sync(...)``: :meth:`stream` for scripts (not inside an event loop)."""
-        if _inside_event_loop():
+        if inside_event_loop():
             raise StreamStateError(
                 "stream_sync() blocks and cannot run inside a running event loop (Jupyter, asyncio, trio); "
                 "use `async for tok in model.stream(...)` instead."
@@ -228,7 +228,7 @@ class Model:
 
     def generate(self, prompt: Prompt, **options: Unpack[GenerationOptions]) -> Completion:
         """Blocking version of :meth:`agenerate` for scripts (not inside a running event loop)."""
-        if _inside_event_loop():
+        if inside_event_loop():
             raise StreamStateError(
                 "generate() blocks and cannot run inside a running event loop (Jupyter, asyncio, trio); "
                 "use `await model.agenerate(...)` or `async for tok in model.stream(...)` instead."
@@ -264,7 +264,8 @@ def _run_to_the_end(request: Request) -> None:
         request.close()
 
 
-def _inside_event_loop() -> bool:
+def inside_event_loop() -> bool:
+    """Whether this thread runs an event loop (asyncio or trio), where blocking calls must not wait."""
     try:
         asyncio.get_running_loop()
         return True

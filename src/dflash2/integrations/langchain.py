@@ -10,7 +10,6 @@ with the ``langchain`` extra.
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -23,7 +22,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict
 
-from dflash2.api import Model
+from dflash2.api import Model, inside_event_loop
 from dflash2.errors import InvalidPromptError
 from dflash2.stream import Completion, Stats
 
@@ -153,17 +152,9 @@ def _last_chunk(done: Completion) -> ChatGenerationChunk:
     return ChatGenerationChunk(message=message)
 
 
-def _loop_running() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
 def _outside_loop(work: Callable[[], T]) -> T:
-    """Run blocking ``work`` here, or in a helper thread when this thread runs an event loop (Jupyter)."""
-    if not _loop_running():
+    """Run blocking ``work`` here, or in a helper thread when this thread runs an event loop (Jupyter, trio)."""
+    if not inside_event_loop():
         return work()
     box: list[Any] = []
 
@@ -184,7 +175,7 @@ def _outside_loop(work: Callable[[], T]) -> T:
 
 def _iterate_outside_loop(make: Callable[[], Iterator[T]]) -> Iterator[T]:
     """Iterate ``make()`` here, or in a helper thread (items passed through a queue) inside an event loop."""
-    if not _loop_running():
+    if not inside_event_loop():
         yield from make()
         return
     items: queue.Queue[tuple[str, Any]] = queue.Queue()  # unbounded: the producer never blocks
