@@ -214,7 +214,9 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "gpu-check.json").read_text())
     assert saved["shapes"] == ["tiny"] and saved["modes"] == ["off", "static"]
     assert set(report["exactness_fp32"].values()) == {"3/3"}
-    assert [lv["streams"] for lv in saved["concurrency"]] == [1, 2, 4, 8]
+    assert [(lv["config"], lv["streams"]) for lv in saved["concurrency"]] == [
+        (f"plain-{mode}", n) for mode in ("off", "static") for n in (1, 2, 4, 8)
+    ]
     assert all(lv["identical"] == lv["prompts"] == 8 for lv in saved["concurrency"])
     assert {"dflash-sync-off", "dflash-async-static", "plain-async-static"} <= set(report["exactness_fp32"])
     configs = [row["config"] for row in report["timing"]]

@@ -6,6 +6,7 @@ suite checks the same static steps run eagerly (``test_static_steps.py``).
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ def test_no_host_sync_inside_the_resident_loop(name: str, temperature: float, pa
     ids = model.tokenizer(SPEC_PROMPTS[0]).input_ids
     config, sampling = GenerationConfig(max_new_tokens=200), SamplingConfig(temperature=temperature, seed=1)
     request = Request(model.target, ids, config, sampling, model.drafter, model.steps)
-    pipeline = ResidentPipeline(request, model.workers.verify)
+    pipeline = ResidentPipeline(request, model.workers.verify, model.batcher)
     with torch.inference_mode():
         request.prefill()
         for _ in range(3):  # the run starts from the host's state (a host-driven draft may sync)
@@ -68,3 +69,18 @@ def test_no_host_sync_inside_the_resident_loop(name: str, temperature: float, pa
             torch.cuda.set_sync_debug_mode("default")
         request.close()
     assert request.counters.steps >= 12
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", ["plain", "ngram", "dflash2"])
+async def test_concurrent_streams_replay_packed_graphs(name: str, paths: dict[str, Path]) -> None:
+    """Four concurrent streams verify together in the pool's packed graphs (one per batch bucket and
+    block bucket); each stream's tokens are its eager tokens alone."""
+    eager, graphed = cuda_model(paths, name, "off"), cuda_model(paths, name, "cuda")
+    prompts = [*SPEC_PROMPTS, "hello hello hello hello"]
+    expected = [(await eager.agenerate(p, max_new_tokens=24 + 8 * i)).token_ids for i, p in enumerate(prompts)]
+    results = await asyncio.gather(*(graphed.agenerate(p, max_new_tokens=24 + 8 * i) for i, p in enumerate(prompts)))
+    assert [r.token_ids for r in results] == expected
+    assert graphed.steps is not None and max(s for r in results for s in r.stats.batch_sizes) > 1
+    packed = [step for _, _, step in graphed.steps.packed.values()]
+    assert all(step.captured for step in packed) and sum(step.replays for step in packed) > 0

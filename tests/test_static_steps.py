@@ -7,6 +7,7 @@ not fit a slot run eagerly. The CUDA graph tests themselves are in ``test_cuda_g
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from dflash2.engine import OverlapPolicy
 from dflash2.runtime.graphs import MAX_BUCKET, StaticStep, bucket, buckets_up_to
 
 PROMPTS = SPEC_PROMPTS
+MORE_PROMPTS = [*SPEC_PROMPTS, "hello hello hello hello", "a"]
 
 
 def static(path: Path, drafter: Any = None, **graphs: Any) -> dflash2.Model:
@@ -172,8 +174,69 @@ def test_warmup_builds_every_step_the_drafter_needs(paths: dict[str, Path], refe
         assert {(size, capture) for size in sizes} <= set(slot.steps)
     for slot in model.drafter.steps.slots:  # type: ignore[attr-defined]
         assert set(sizes) <= set(slot.steps)
+    assert {(2, size, capture) for size in sizes} <= set(model.steps.packed)  # two slots: batches of two
     assert model.steps.free == 2
     assert list(model.generate(PROMPTS[2], max_new_tokens=48).token_ids) == references[PROMPTS[2]]
+
+
+def test_a_packed_static_step_equals_a_forward_per_slot(paths: dict[str, Path]) -> None:
+    """Blocks of slots 0, 2 and 3 of a pool in one packed step (batch bucket 4, block bucket 8):
+    each slot's logits, features and cache are those of an eager forward of its own; slot 1,
+    holding a request that is not in the batch, keeps its cache."""
+    model = static(paths["target"], slots=4, context=64)
+    target, pool = model.target, model.steps
+    assert pool is not None
+    prompts = [model.tokenizer(p).input_ids for p in MORE_PROMPTS[:4]]
+    slots = [pool.acquire(32) for _ in prompts]
+    alone = [target.new_cache(128) for _ in prompts]
+    capture = (0, 1)
+    with torch.inference_mode():
+        for slot, cache, ids in zip(slots, alone, prompts, strict=True):
+            assert slot is not None
+            target(torch.tensor([ids]), slot.cache, logits="none")
+            target(torch.tensor([ids]), cache, logits="none")
+        kept = slots[1].cache.k[:, :, :, : len(prompts[1])].clone()  # type: ignore[union-attr]
+        blocks = {0: [5, 6, 7], 2: [9], 3: [1, 2, 3, 4, 5]}
+        pointers = set()
+        for _ in range(2):  # a second step reuses the buffers
+            outs = pool.forward_packed([(slots[i], torch.tensor(b)) for i, b in blocks.items()], capture)  # type: ignore[misc]
+            pointers.add(outs[0].logits.data_ptr())  # type: ignore[union-attr]
+            for (i, block), out in zip(blocks.items(), outs, strict=True):
+                own = target(torch.tensor([block]), alone[i], logits="all", capture=capture)
+                assert own.logits is not None and out.logits is not None and own.hidden is not None
+                assert out.logits.shape == own.logits.shape
+                assert torch.allclose(out.logits, own.logits, atol=1e-5)
+                assert torch.equal(out.logits.argmax(-1), own.logits.argmax(-1))
+                assert torch.allclose(out.hidden, own.hidden, atol=1e-5)  # type: ignore[arg-type]
+                cache = slots[i].cache  # type: ignore[union-attr]
+                n = alone[i].length
+                assert cache.length == n
+                assert torch.allclose(cache.k[:, :, :, :n], alone[i].k[:, :, :, :n], atol=1e-5)
+        assert torch.equal(slots[1].cache.k[:, :, :, : len(prompts[1])], kept)  # type: ignore[union-attr]
+    assert set(pool.packed) == {(4, 8, capture)} and len(pointers) == 1
+    for slot in slots:
+        pool.release(slot)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", ["plain", "ngram", "self", "dflash2", "hybrid-dflash2"])
+async def test_concurrent_streams_share_packed_static_steps(name: str, paths: dict[str, Path]) -> None:
+    """Streams that hold slots verify together in the pool's packed steps (the resident pipeline
+    leaves its device-resident run for them and comes back once alone); each stream's tokens are
+    its tokens alone, greedy or seeded."""
+    model = static(paths["target"], drafter_arg(name, paths) if name != "plain" else None, slots=8, context=256)
+    jobs: list[tuple[str, dict[str, Any]]] = [
+        (prompt, {"max_new_tokens": 12 + 9 * i, "pipeline": "sync" if i == 3 else "async"})
+        for i, prompt in enumerate(MORE_PROMPTS)
+    ]
+    jobs.append((PROMPTS[0], {"max_new_tokens": 30, "temperature": 0.8, "seed": 3}))
+    expected = [(await model.agenerate(p, **o)).token_ids for p, o in jobs]
+    assert model.steps is not None and not model.steps.packed  # one stream at a time never packs
+    for _ in range(2):
+        results = await asyncio.gather(*(model.agenerate(p, **o) for p, o in jobs))
+        assert [r.token_ids for r in results] == expected
+    assert model.steps.packed and max(s for r in results for s in r.stats.batch_sizes) > 1
+    assert model.steps.free == 8 and not model.batcher.shared
 
 
 @pytest.mark.parametrize(("graphs", "hint"), [("graph", "graphs must be one of"), (True, "graphs must be one of")])

@@ -38,7 +38,7 @@ from dflash2.engine import (
 )
 from dflash2.errors import ContextLengthError, InvalidOptionError, StreamStateError
 from dflash2.runtime.device import resolve_device, resolve_dtype
-from dflash2.runtime.graphs import MAX_BUCKET, Slot, StepPool, buckets_up_to
+from dflash2.runtime.graphs import MAX_BUCKET, DecoderPool, buckets_up_to
 from dflash2.runtime.loader import load_decoder, load_eos_ids, load_tokenizer, resolve_checkpoint
 from dflash2.runtime.model import Decoder
 from dflash2.runtime.workers import Workers, release_thread_pool
@@ -59,7 +59,7 @@ class Model:
         drafter: Drafter | None = None,
         workers: Workers | None = None,
         graphs: GraphConfig | None = None,
-        steps: StepPool[Slot] | None = None,
+        steps: DecoderPool | None = None,
         max_batch: int = 8,
     ) -> None:
         self.target = target
@@ -83,7 +83,7 @@ class Model:
         self.steps = steps
         if steps is None and self.graph_mode != "off":
             context = min(self.graphs.context, target.spec.max_position_embeddings)
-            self.steps = StepPool.for_decoder(target, self.graph_mode, context, self.graphs.slots)
+            self.steps = DecoderPool(target, self.graph_mode, context, self.graphs.slots)
         if self.steps is not None and isinstance(drafter, StaticStepping):
             # a drafter's caches also hold the blocks it drafts ahead of the verified text
             drafter.use_static_steps(self.graph_mode, self.steps.context + 2 * MAX_BUCKET, self.graphs.slots)
@@ -152,6 +152,7 @@ class Model:
         capture = tuple(self.drafter.capture_layers) if self.drafter is not None else ()
         if self.steps is not None:
             self.workers.verify.call(functools.partial(self.steps.prepare, buckets_up_to(block), capture))
+            self.workers.verify.call(functools.partial(self.steps.prepare_packed, buckets_up_to(block), capture))
         if isinstance(self.drafter, StaticStepping):
             self.workers.verify.call(self.drafter.prepare_static_steps)
         config = GenerationConfig(max_new_tokens=4 * block)
@@ -189,7 +190,7 @@ class Model:
         if config.pipeline == "sync":
             source = SyncPipeline(request, self.batcher)
         elif self._resident():
-            source = ResidentPipeline(request, self.workers.verify)
+            source = ResidentPipeline(request, self.workers.verify, self.batcher)
         else:
             source = AsyncPipeline(request, self.workers, self.policy, self.batcher)
         return TokenStream(source, self.tokenizer, len(prompt_ids), config, self.eos_token_ids)

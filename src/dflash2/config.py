@@ -107,12 +107,13 @@ class GraphConfig:
     ``"static"`` runs the static steps eagerly, the code the graphs hold (tests, debugging);
     ``"auto"`` picks by device. ``context``: prompt + new tokens a request may need to use the
     static steps (a longer one runs eagerly); ``slots``: requests that use them at once, each
-    holding a KV cache of ``context`` tokens.
+    holding a KV cache of ``context`` tokens (as many as ``load``'s default ``max_batch``, so
+    that concurrent streams share one packed static step).
     """
 
     mode: GraphMode = "auto"
     context: int = 4096
-    slots: int = 2
+    slots: int = 8
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or self.mode not in GRAPH_MODES:

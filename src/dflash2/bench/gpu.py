@@ -10,7 +10,7 @@ repeats. One command, well inside the device's time limit, where CUDA is::
 
 It runs the CUDA-only tests (``tests/test_cuda_graphs.py``), checks fp32 greedy exactness of
 every drafter, eager and with graphs, against transformers on the device, measures 1, 2, 4 and 8
-concurrent plain streams on the first shape (the batched path, eager), then times each shape
+concurrent plain streams on the first shape (the batched path, eager and as packed graphs), then times each shape
 in bf16: transformers ``generate``, dflash2 eager (``graphs="off"``) and with CUDA graphs, each
 drafter sync and async; the first request after loading is timed apart (cold start). The JSON
 is rewritten after every row, so a run cut short still reports what it measured. On a CPU it runs
@@ -198,18 +198,27 @@ def timing(
                 timer(DFlash2Runner(drafted, f"{name}-async-{mode}", pipeline="async"), ids)
 
 
-def concurrency(work: Path, shape: str, device: str, dtype: torch.dtype, max_new_tokens: int) -> list[dict[str, Any]]:
-    """Aggregate tokens/s of 1, 2, 4 and 8 concurrent plain streams (eager: the batched path)."""
+def concurrency(
+    work: Path, shape: str, device: str, dtype: torch.dtype, max_new_tokens: int, modes: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """Aggregate tokens/s of 1, 2, 4 and 8 concurrent plain streams, eager (one packed forward per
+    step) and in each static mode (one packed static step: a CUDA graph per batch bucket on CUDA);
+    "identical" compares with the eager model's streams alone."""
     target = _target(work / f"{shape}-target", shape, device, dtype)
-    model = load(target, device=device, dtype=dtype, graphs="off")
     prompts = [Prompt("gpu", str(i), PROMPTS[i % len(PROMPTS)]) for i in range(8)]
-    references = {p.id: model.generate(p.prompt, max_new_tokens=max_new_tokens).token_ids for p in prompts}
+    references: dict[str, tuple[int, ...]] = {}
     levels = []
-    for streams in (1, 2, 4, 8):
-        level = dflash2_level(model, "plain-off", prompts, streams, max_new_tokens, references, {"pipeline": "sync"})
-        levels.append({**asdict(level), "tokens_per_second": level.tokens_per_second})
-        print(f"{shape:>15} {streams} streams: {level.tokens_per_second:8.1f} tok/s  identical "
-              f"{level.identical}/{level.prompts}", flush=True)  # fmt: skip
+    for mode in modes:
+        model = load(target, device=device, dtype=dtype, graphs=mode)  # type: ignore[arg-type]
+        if not references:
+            references = {p.id: model.generate(p.prompt, max_new_tokens=max_new_tokens).token_ids for p in prompts}
+        for streams in (1, 2, 4, 8):
+            level = dflash2_level(
+                model, f"plain-{mode}", prompts, streams, max_new_tokens, references, {"pipeline": "sync"}
+            )
+            levels.append({**asdict(level), "tokens_per_second": level.tokens_per_second})
+            print(f"{shape:>15} {mode:>6} {streams} streams: {level.tokens_per_second:8.1f} tok/s  identical "
+                  f"{level.identical}/{level.prompts}", flush=True)  # fmt: skip
     return levels
 
 
@@ -261,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["exactness_fp32"] = exactness(work, device, modes)
         print("exactness (fp32):", report["exactness_fp32"], flush=True)
         save()
-        report["concurrency"] = concurrency(work, shapes[0], device, dtype, args.max_new_tokens)
+        report["concurrency"] = concurrency(work, shapes[0], device, dtype, args.max_new_tokens, modes)
         save()
         for shape in shapes:
             timers.append(_Timer(shape, args.max_new_tokens, begun + args.budget, save))

@@ -12,7 +12,7 @@ import torch
 from dflash2.config import SamplingConfig
 from dflash2.drafters.base import Draft, DraftContext, Outcome, PreDraft
 from dflash2.errors import InvalidOptionError
-from dflash2.runtime.graphs import MAX_BUCKET, Slot, StepMode, StepPool
+from dflash2.runtime.graphs import MAX_BUCKET, DecoderPool, Slot, StepMode
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.model import Decoder
 from dflash2.sampling import probabilities, sample
@@ -33,7 +33,7 @@ class AutoregressiveDrafter:
         self.block_size = block_size
         self.name = name
         self.target_vocab_size = target_vocab_size
-        self.steps: StepPool[Slot] | None = None
+        self.steps: DecoderPool | None = None
         model.pack()
 
     @property
@@ -42,7 +42,7 @@ class AutoregressiveDrafter:
         return self.model.spec.max_position_embeddings - 2 * self.block_size
 
     def use_static_steps(self, mode: StepMode, context: int, slots: int) -> None:
-        self.steps = StepPool.for_decoder(self.model, mode, context, slots)
+        self.steps = DecoderPool(self.model, mode, context, slots)
 
     def prepare_static_steps(self) -> None:
         if self.steps is not None:

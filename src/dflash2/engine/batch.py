@@ -8,7 +8,9 @@ of a millisecond; a consumer that does not is waited for at most ``GATHER_S``, o
 last step, whichever is shorter), takes the oldest pending steps, at most ``max_batch``, and
 runs them together: each request drafts its block (from a confirmed pre-draft when it has one),
 one target forward verifies every block and prefills the prompts of requests that just joined
-(``Decoder.forward_packed``: the weights are read once, each request attends over its own cache),
+(``Decoder.forward_packed``: the weights are read once, each request attends over its own cache;
+when every block is a verify block on a static slot of one pool, ``DecoderPool.forward_packed``
+instead: one static step per batch bucket and block bucket, a CUDA graph on CUDA),
 and each request settles its own outcome with its own generator, so a seeded stream draws what
 it would draw alone. The jobs of steps already served return at once. Streams join and leave
 between steps; a closed request is skipped (its caches go when the step ends). Steps are served
@@ -31,6 +33,9 @@ import torch
 
 from dflash2.drafters.base import BatchDrafting, Draft
 from dflash2.engine.request import Request, Verified
+from dflash2.runtime.graphs import MAX_BUCKET, Slot
+from dflash2.runtime.kv_cache import KVCache
+from dflash2.runtime.model import ForwardOutput
 from dflash2.runtime.workers import Worker
 
 GATHER_S = 0.002  # the longest a batch waits for a running stream's next step
@@ -177,6 +182,24 @@ class Batcher:
         return drafts
 
     @staticmethod
+    def _forward(live: list[tuple[_Step, Draft | None, torch.Tensor]]) -> list[ForwardOutput]:
+        """The packed target forward of ``live``: the pool's static step when every block is a
+        verify block on a slot of one pool (a CUDA graph on CUDA), else eager."""
+        first = live[0][0].request
+        pool = first.steps
+        slotted: list[tuple[Slot, torch.Tensor]] = []
+        blocks: list[tuple[torch.Tensor, KVCache, bool]] = []
+        for s, draft, ids in live:
+            r = s.request
+            assert r.cache is not None and r.capture == first.capture  # one model, one drafter
+            blocks.append((ids, r.cache, draft is not None))
+            if draft is not None and r.slot is not None and r.steps is pool and len(ids) <= MAX_BUCKET:
+                slotted.append((r.slot, ids))
+        if pool is not None and len(slotted) == len(live):
+            return pool.forward_packed(slotted, first.capture)
+        return first.target.forward_packed(blocks, first.capture)
+
+    @staticmethod
     def _together(steps: list[_Step]) -> None:
         live: list[tuple[_Step, Draft | None, torch.Tensor]] = []  # the draft each verifies (None: a prefill)
         going = [s for s in steps if s.request.started]
@@ -192,14 +215,9 @@ class Batcher:
                 live.append((s, drafts[i], s.request.block(drafts[i])))
         if not live:
             return
-        first = live[0][0].request
-        blocks = []
-        for s, draft, ids in live:
-            assert s.request.cache is not None and s.request.capture == first.capture  # one model, one drafter
-            blocks.append((ids, s.request.cache, draft is not None))
         start = time.perf_counter()
         try:
-            outs = first.target.forward_packed(blocks, first.capture)
+            outs = Batcher._forward(live)
         except Exception as err:
             for s, _, _ in live:
                 s.error = err

@@ -8,9 +8,10 @@ Every phase is a plain synchronous function run inside a compute worker:
     settle    verify.accept(...)                    -> a kept, next token n;
               cache.rollback(keeps x, d_1 .. d_a);  session.observe(a, n, features)
 
-With a ``StepPool`` the request borrows a static slot for its lifetime (if one is free and it
+With a ``DecoderPool`` the request borrows a static slot for its lifetime (if one is free and it
 fits): the prefill runs eagerly into the slot's cache, every verify forward as the slot's static
-step (a CUDA graph on CUDA), see ``runtime.graphs``.
+step (a CUDA graph on CUDA), or beside other slots' blocks as the pool's packed step, see
+``runtime.graphs``.
 
 The engines only decide what runs when (and what runs at the same time). Each phase runs
 through :meth:`Request.use`, so a close from the event loop never frees state a worker is using:
@@ -31,7 +32,7 @@ import torch
 from dflash2.config import GenerationConfig, SamplingConfig
 from dflash2.drafters.base import Draft, DraftContext, Drafter, DraftSession, Outcome
 from dflash2.engine.draft_length import DraftLength
-from dflash2.runtime.graphs import Slot, StepPool
+from dflash2.runtime.graphs import DecoderPool, Slot
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.model import Decoder
 from dflash2.runtime.workers import Timed, Worker
@@ -60,7 +61,7 @@ class Request:
         config: GenerationConfig,
         sampling: SamplingConfig,
         drafter: Drafter | None,
-        steps: StepPool[Slot] | None = None,
+        steps: DecoderPool | None = None,
         lengths: DraftLength | None = None,
     ) -> None:
         self.target = target
@@ -85,6 +86,11 @@ class Request:
         self.closed = False
         self._lock = threading.Lock()
         self._phases = 0  # phases running now (in worker threads)
+
+    @property
+    def steps(self) -> DecoderPool | None:
+        """The static slots this request borrows from (``None``: it runs eagerly)."""
+        return self._steps
 
     @property
     def room(self) -> int:

@@ -11,7 +11,9 @@ steps, and nothing in the loop synchronises it.
 
 A run of resident steps starts from the host's state (a host-driven draft) and ends while a
 launched step can still not pass ``max_new_tokens`` (a step launched before the previous one is
-read may emit a whole block). The tail, requests without a static slot, and drafters that need
+read may emit a whole block), or as soon as other streams of the model run: then the steps go
+through the model's ``Batcher`` (one packed static step for all of them, see ``engine.batch``)
+until the stream is alone again. The tail, requests without a static slot, and drafters that need
 the host between steps run the sync loop's steps. Stop strings and EOS end the stream as always
 (the stream reads only verified tokens); a step launched past them is dropped with the request.
 """
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from dflash2.drafters.base import ResidentDrafting
+from dflash2.engine.batch import Batcher
 from dflash2.engine.request import Request
 from dflash2.runtime.workers import Worker
 from dflash2.stream import EngineCounters
@@ -68,10 +71,11 @@ class _Launched:
 class ResidentPipeline:
     """``TokenSource`` whose steps stay on the device when they can (see the module docstring)."""
 
-    def __init__(self, request: Request, worker: Worker) -> None:
+    def __init__(self, request: Request, worker: Worker, batcher: Batcher) -> None:
         self.request = request
         self.counters: EngineCounters = request.counters
         self._worker = worker
+        self._batcher = batcher
         drafter = request.drafter
         self._block = drafter.block_size if drafter is not None else 1  # tokens a step may emit
         self._pending: _Launched | None = None
@@ -84,12 +88,17 @@ class ResidentPipeline:
     async def next_ids(self) -> list[int]:
         r = self.request
         if not r.started:
+            self._batcher.join(r)
+        if self._pending is None and self._batcher.shared:  # between runs, beside other streams
+            return await self._batcher.step(r)
+        if not r.started:
             return list((await r.run(self._worker, r.prefill)).value or [])
         emitted = (await r.run(self._worker, self._step, synchronize=False)).value
         return [] if emitted is None else emitted  # None: the request was closed
 
     async def aclose(self) -> None:
         self.request.close()
+        self._batcher.leave(self.request)
 
     def _can_stay(self) -> bool:
         r = self.request
@@ -106,7 +115,7 @@ class ResidentPipeline:
             if not (self._can_stay() and self._fits(0)):
                 return self.request.step()
             self._pending = self._launch()
-        following = self._launch() if self._fits(1) else None
+        following = self._launch() if self._fits(1) and not self._batcher.shared else None
         emitted = self._read(self._pending)
         self._pending = following
         if following is None:

@@ -28,7 +28,8 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import torch
 
-from dflash2.runtime.model import Decoder
+from dflash2.runtime.kv_cache import KVCache
+from dflash2.runtime.model import Decoder, ForwardOutput
 
 StepMode = Literal["off", "static", "cuda"]
 MAX_BUCKET = 64  # the largest block a drafter may ask for (SpeculativeConfig allows 2..64)
@@ -110,13 +111,15 @@ class Slot:
     """A KV cache of fixed capacity and the static forwards of a decoder over it.
 
     A request holds a slot from its prefill until it closes; the prefill itself runs eagerly
-    (its length varies), every later forward through :meth:`forward`.
+    (its length varies), every later forward through :meth:`forward` (or, beside other slots of
+    its pool, :meth:`DecoderPool.forward_packed`). The cache is row ``row`` of the pool's store.
     """
 
-    def __init__(self, decoder: Decoder, capacity: int, mode: StepMode) -> None:
+    def __init__(self, decoder: Decoder, cache: KVCache, mode: StepMode, row: int = 0) -> None:
         self.decoder = decoder
         self.mode = mode
-        self.cache = decoder.new_cache(capacity, zeroed=True)
+        self.cache = cache
+        self.row = row
         self.start = torch.zeros((), dtype=torch.long, device=decoder.device)  # cache.length, on the device
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.steps: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, StaticStep]] = {}
@@ -188,13 +191,8 @@ class StepPool(Generic[S]):
     def __init__(self, slots: Sequence[S], context: int) -> None:
         self.context = context
         self._slots = list(slots)
-        self._free = list(self._slots)
+        self._free = list(self._slots)  # in the slots' order: the first free one goes first
         self._lock = threading.Lock()
-
-    @classmethod
-    def for_decoder(cls, decoder: Decoder, mode: StepMode, context: int, slots: int) -> StepPool[Slot]:
-        """Slots of ``decoder``, each a cache of ``context + MAX_BUCKET`` tokens (room for a padded block)."""
-        return StepPool([Slot(decoder, context + MAX_BUCKET, mode) for _ in range(slots)], context)
 
     @property
     def slots(self) -> tuple[S, ...]:
@@ -210,7 +208,7 @@ class StepPool(Generic[S]):
         if tokens > self.context:
             return None
         with self._lock:
-            slot = self._free.pop() if self._free else None
+            slot = self._free.pop(0) if self._free else None
         if slot is not None:
             slot.reset()
         return slot
@@ -219,6 +217,7 @@ class StepPool(Generic[S]):
         with self._lock:
             if slot in self._slots and slot not in self._free:
                 self._free.append(slot)
+                self._free.sort(key=self._slots.index)
 
     def prepare(self, sizes: Sequence[int], capture: Sequence[int] = ()) -> None:
         """Build (capture) the steps of ``sizes`` on every free slot (a busy one captures at first use)."""
@@ -231,3 +230,84 @@ class StepPool(Generic[S]):
         finally:
             with self._lock:
                 self._free.extend(idle)
+                self._free.sort(key=self._slots.index)
+
+
+class DecoderPool(StepPool[Slot]):
+    """The slots of a decoder, whose caches are the rows of one KV store, and the packed static
+    steps over them: the blocks of several slots in one forward (``forward_packed``), with one
+    static step (one CUDA graph) per batch bucket and block bucket.
+
+    A packed step over a batch bucket of B runs rows ``0 .. B - 1`` of the store, each block
+    padded to the bucket of the longest: a slot not in the batch (free, or its stream not in this
+    step) writes its padding past every slot's context, where no query looks. Slots are handed
+    out lowest row first, so the rows in use stay at the front.
+    """
+
+    def __init__(self, decoder: Decoder, mode: StepMode, context: int, slots: int) -> None:
+        self.decoder = decoder
+        self.mode = mode
+        # each row holds ``context`` tokens and room for a padded block after them
+        self.store = decoder.new_cache(context + MAX_BUCKET, batch=slots, zeroed=True)
+        super().__init__([Slot(decoder, self.store.rows(i, i + 1), mode, row=i) for i in range(slots)], context)
+        self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+        self.packed: dict[tuple[int, int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor, StaticStep]] = {}
+
+    def batch_bucket(self, rows: int) -> int:
+        """The rows a packed step over the first ``rows`` runs: the next power of two, at most every slot."""
+        return min(1 << (rows - 1).bit_length(), len(self.slots))
+
+    def packed_step(
+        self, rows: int, size: int, capture: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor, StaticStep]:
+        """The input ids [rows, size], cache lengths [rows] and step of a packed batch (made on first use)."""
+        key = (rows, size, tuple(capture))
+        if key not in self.packed:
+            device = self.decoder.device
+            ids = torch.zeros((rows, size), dtype=torch.long, device=device)
+            starts = torch.zeros(rows, dtype=torch.long, device=device)
+            cache = self.store.rows(0, rows)
+
+            def forward() -> Outputs:
+                out = self.decoder(ids, cache, logits="all", capture=key[2], start=starts)
+                return out.logits, out.hidden
+
+            self.packed[key] = (ids, starts, StaticStep(forward, self.mode, self.pool))
+        return self.packed[key]
+
+    def forward_packed(
+        self, blocks: Sequence[tuple[Slot, torch.Tensor]], capture: Sequence[int] = ()
+    ) -> list[ForwardOutput]:
+        """The tokens [T] of several slots of this pool after their cached ones, in one static step.
+
+        Per block: logits [1, T, vocab] and features [1, T, F] (or ``None``), views of the step's
+        fixed buffers (use them before the pool's next packed step); each slot's cache advances by T.
+        """
+        counts = [int(tokens.shape[0]) for _, tokens in blocks]
+        size = bucket(max(counts))
+        rows = self.batch_bucket(max(slot.row for slot, _ in blocks) + 1)
+        ids, starts, step = self.packed_step(rows, size, capture)
+        lengths = [self.store.capacity - size] * rows  # rows not in the batch: past every context
+        for (slot, tokens), count in zip(blocks, counts, strict=True):
+            slot.cache.check_room(size)
+            lengths[slot.row] = slot.cache.length
+            ids[slot.row, :count].copy_(tokens, non_blocking=True)
+        starts.copy_(torch.tensor(lengths), non_blocking=True)
+        logits, hidden = step.run()
+        assert logits is not None
+        outs = []
+        for (slot, _), count in zip(blocks, counts, strict=True):
+            slot.cache.advance(count)
+            row = slice(slot.row, slot.row + 1)
+            outs.append(ForwardOutput(logits[row, :count], hidden[row, :count] if hidden is not None else None))
+        return outs
+
+    def prepare_packed(self, sizes: Sequence[int], capture: Sequence[int] = ()) -> None:
+        """Build (in ``"cuda"`` mode capture) the packed steps of every batch bucket and block size."""
+        rows = sorted({self.batch_bucket(n) for n in range(2, len(self.slots) + 1)})
+        for count in rows:
+            for size in sizes:
+                _, starts, step = self.packed_step(count, size, capture)
+                if self.mode == "cuda" and not step.captured:
+                    starts.fill_(self.store.capacity - size)  # the capture writes past every context
+                    step.capture()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from dflash2.errors import ContextLengthError
@@ -48,18 +50,30 @@ class KVCache:
         """Store a block's keys/values [B, KV, T, D] of one layer and return the keys/values to attend over.
 
         Without ``positions`` the block goes at ``length`` and the valid keys (block included) come
-        back. With ``positions`` [T] (a device tensor: static steps, see ``runtime.graphs``) the block
-        goes there and the whole buffer comes back: no shape depends on the length, and the
-        caller's mask hides what is not valid.
+        back. With ``positions`` (a device tensor: static steps, see ``runtime.graphs``), [T] for
+        every row or [B, T] row by row, the block goes there and the whole buffer comes back: no
+        shape depends on the length, and the caller's mask hides what is not valid.
         """
         if positions is not None:
-            self.k[layer].index_copy_(2, positions, k)
-            self.v[layer].index_copy_(2, positions, v)
+            if positions.dim() == 2:
+                index = positions[:, None, :, None].expand_as(k)
+                self.k[layer].scatter_(2, index, k)
+                self.v[layer].scatter_(2, index, v)
+            else:
+                self.k[layer].index_copy_(2, positions, k)
+                self.v[layer].index_copy_(2, positions, v)
             return self.k[layer], self.v[layer]
         end = self.length + k.shape[2]
         self.k[layer, :, :, self.length : end] = k
         self.v[layer, :, :, self.length : end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """A cache over batch rows ``[start, stop)`` of this one's buffers (shared, not copied), empty."""
+        view = copy.copy(self)
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.length = 0
+        return view
 
     def advance(self, new_tokens: int) -> None:
         self.length += new_tokens

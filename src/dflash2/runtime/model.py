@@ -88,7 +88,7 @@ class RotaryTable(nn.Module):
         return self.cos[start : start + new], self.signed_sin[start : start + new]
 
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables [N, 1, head_dim] for arbitrary ``positions`` [N] (several blocks at once, static steps).
+        """Tables [..., N, 1, head_dim] for arbitrary ``positions`` [..., N] (several blocks at once, static steps).
 
         Positions past the table get its last row: only a static step's padding goes there.
         """
@@ -246,10 +246,11 @@ class Decoder(nn.Module):
         layer's comes after the final norm, as there).
         ``visible``: [B, cache.length + T] bool, False at padding (batched generation of prompts
         of different lengths, left-padded); a padding token still sees itself.
-        ``start``: the static step (see ``runtime.graphs``): a 0-dim device tensor holding the
-        cache length. The tokens go at ``start ..``, attention covers the whole cache under a
-        mask, and nothing on the host is read or changed (``cache.length`` is the caller's), so
-        the same kernels serve every length and a CUDA graph can replay them.
+        ``start``: the static step (see ``runtime.graphs``): a device tensor holding the cache
+        length, 0-dim, or [B] for a cache whose rows hold different lengths (a packed static
+        step). The tokens go at ``start ..``, attention covers the whole cache under a mask, and
+        nothing on the host is read or changed (``cache.length`` is the caller's), so the same
+        kernels serve every length and a CUDA graph can replay them.
         """
         new = input_ids.shape[1]
         x = self.embed(input_ids)
@@ -257,9 +258,10 @@ class Decoder(nn.Module):
         if start is not None:
             if visible is not None:
                 raise ValueError("a static step takes no padding mask")
-            positions = start + torch.arange(new, device=x.device)
+            positions = start[..., None] + torch.arange(new, device=x.device)  # [T] or [B, T]
             rope = self.rope.at(positions)
-            mask: torch.Tensor | None = torch.arange(cache.capacity, device=x.device)[None, :] <= positions[:, None]
+            seen = torch.arange(cache.capacity, device=x.device) <= positions[..., None]
+            mask: torch.Tensor | None = seen[:, None] if positions.dim() == 2 else seen  # [B, 1, T, S]: row by row
         else:
             begin = cache.length
             cache.check_room(new)
