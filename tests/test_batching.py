@@ -89,8 +89,10 @@ def test_one_drafter_forward_drafts_for_several_sessions(paths: dict[str, Path],
                 b.observe(outcome)
 
 
-def _models(paths: dict[str, Path], max_batch: int = 8) -> dict[str, dflash2.Model]:
-    plain = dflash2.load(paths["target"], max_batch=max_batch)
+def _models(paths: dict[str, Path], max_batch: int = 8, graphs: str = "off") -> dict[str, dflash2.Model]:
+    """A model per drafter, sharing one target; ``graphs="static"``: four static slots shared by all."""
+    config = dflash2.GraphConfig(mode=graphs, slots=4, context=256)  # type: ignore[arg-type]
+    plain = dflash2.load(paths["target"], max_batch=max_batch, graphs=config)
     return {
         "plain": plain,
         "ngram": plain.with_drafter("ngram"),
@@ -141,10 +143,12 @@ async def test_streams_of_one_model_share_forwards_and_respect_max_batch(paths: 
 
 
 @pytest.mark.anyio
-async def test_joining_leaving_and_cancelling_leave_the_others_unaffected(paths: dict[str, Path]) -> None:
-    models = _models(paths, max_batch=4)
-    for m in models.values():  # start the worker threads
+@pytest.mark.parametrize("graphs", ["off", "static"])
+async def test_joining_leaving_and_cancelling_leave_the_others_unaffected(paths: dict[str, Path], graphs: str) -> None:
+    models = _models(paths, max_batch=4, graphs=graphs)
+    for m in models.values():  # start the worker threads (the draft one starts at its first job)
         await m.agenerate(PROMPTS[0], max_new_tokens=4)
+        m.workers.draft.call(lambda: None)
     threads, tasks = sorted(t.name for t in threading.enumerate()), asyncio.all_tasks()
     rng = random.Random(0)
     for _ in range(12):
@@ -169,8 +173,9 @@ async def test_joining_leaving_and_cancelling_leave_the_others_unaffected(paths:
                 assert have == want, jobs[i]
     assert sorted(t.name for t in threading.enumerate()) == threads
     assert asyncio.all_tasks() == tasks
-    for m in models.values():  # nothing pending, nothing counted as running
+    for m in models.values():  # nothing pending, nothing counted as running, every slot given back
         assert not m.batcher._pending and not m.batcher.shared
+        assert m.steps is None or m.steps.free == len(m.steps.slots)
 
 
 class _Open:
@@ -189,10 +194,13 @@ class _Open:
 
 
 @pytest.mark.anyio
-async def test_random_interleavings_never_change_greedy_output(paths: dict[str, Path]) -> None:
+@pytest.mark.parametrize("graphs", ["off", "static"])
+async def test_random_interleavings_never_change_greedy_output(paths: dict[str, Path], graphs: str) -> None:
     """Property: streams started, read a few tokens at a time and cancelled in random orders;
-    every stream that runs to its end gives its greedy output alone."""
-    models = _models(paths, max_batch=3)
+    every stream that runs to its end gives its greedy output alone. With static steps the
+    streams that hold slots verify in packed static steps, the others (more streams than slots)
+    in eager packed forwards, and the resident pipeline leaves its runs for the batched steps."""
+    models = _models(paths, max_batch=3, graphs=graphs)
     expected = {(m, p): await _alone(model, p, {"max_new_tokens": 16}) for m, model in models.items() for p in PROMPTS}
     finished = 0
     for seed in range(8):
@@ -218,6 +226,9 @@ async def test_random_interleavings_never_change_greedy_output(paths: dict[str, 
     assert finished >= 20
     for m in models.values():
         assert not m.batcher._pending and not m.batcher.shared
+    steps = models["plain"].steps
+    if graphs == "static":  # every slot given back; packed static steps ran
+        assert steps is not None and steps.free == len(steps.slots) == 4 and steps.packed
 
 
 @pytest.mark.anyio
