@@ -60,7 +60,7 @@ class Part:
 
     cache: KVCache
     rows: slice
-    mask: torch.Tensor | None
+    mask: torch.Tensor | None  # as ``attend`` takes it: made once per forward by ``grouped_mask``
     positions: torch.Tensor | None = None  # static steps: where the keys go (see ``KVCache.write``)
 
 
@@ -96,17 +96,30 @@ class RotaryTable(nn.Module):
         return self.cos[positions], self.signed_sin[positions]
 
 
+def grouped_mask(mask: torch.Tensor | None, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean ``mask`` [..., T, S] (True = visible) in the form :func:`attend` takes as is:
+    repeated for the ``group`` query heads that share a kv head, as an additive ``dtype`` mask (0
+    where visible, -inf elsewhere: what SDPA makes of a boolean mask). A forward makes it once for
+    all its layers instead of every layer repeating and converting it."""
+    if mask is None:
+        return None
+    if group > 1:
+        mask = mask.repeat(*([1] * (mask.dim() - 2)), group, 1)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Grouped-query attention through SDPA: q [B, T, H, D], keys/values [B, KV, S, D] -> [B, T, H * D].
 
     The query heads sharing a kv head are folded into the query axis, [B, KV, group * T, D], so
-    keys are never repeated; a boolean ``mask`` [..., T, S] (True = visible) is repeated to match.
+    keys are never repeated. ``mask``: boolean [..., T, S] (True = visible), repeated here to
+    match, or already in that shape (:func:`grouped_mask`, a floating-point mask).
     """
     b, t, h, d = q.shape
     kvh = keys.shape[1]
     group = h // kvh
     q = q.reshape(b, t, kvh, group, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * t, d)
-    if mask is not None and group > 1:
+    if mask is not None and group > 1 and mask.dtype == torch.bool:
         mask = mask.repeat(*([1] * (mask.dim() - 2)), group, 1)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     return out.view(b, kvh, group, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
@@ -272,7 +285,8 @@ class Decoder(nn.Module):
                 itself = keys[None, :] == torch.arange(begin, begin + new, device=x.device)[:, None]
                 causal = mask if mask is not None else torch.ones_like(itself)
                 mask = (causal & visible[:, None, None, :]) | itself
-        x, normed, hidden = self._layers(x, rope, [Part(cache, slice(None), mask, positions)], capture, logits == "all")
+        parts = [Part(cache, slice(None), self._grouped(mask), positions)]
+        x, normed, hidden = self._layers(x, rope, parts, capture, logits == "all")
         if start is None:
             cache.advance(new)
         if logits == "none":
@@ -281,6 +295,9 @@ class Decoder(nn.Module):
             normed = self.final_norm(x[:, -1:]) if normed is None else normed[:, -1:]
         assert normed is not None
         return ForwardOutput(self.lm_head(normed), hidden)
+
+    def _grouped(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        return grouped_mask(mask, self.spec.num_heads // self.spec.num_kv_heads, self.dtype)
 
     def _layers(
         self,
@@ -323,8 +340,8 @@ class Decoder(nn.Module):
             cache.check_room(size)
         bounds = [0, *itertools.accumulate(sizes)]
         parts = [
-            Part(cache, slice(bounds[i], bounds[i + 1]), block_causal_mask(cache.length, sizes[i], device))
-            for i, cache in enumerate(caches)
+            Part(cache, slice(bounds[i], bounds[i + 1]), self._grouped(block_causal_mask(cache.length, n, device)))
+            for i, (cache, n) in enumerate(zip(caches, sizes, strict=True))
         ]
         positions = torch.cat(
             [torch.arange(p.cache.length, p.cache.length + n, device=device) for p, n in zip(parts, sizes, strict=True)]
