@@ -825,10 +825,13 @@ class DFlashSession:
         return self._proposed(self._draft_states([self._last]), k)
 
     def _proposed(self, states: torch.Tensor, k: int) -> Draft:
-        """The first ``k`` drafts picked from the draft states [1, B-1, D] of the block after ``last``."""
-        tokens, probs = self._pick(states, self._last, self._sampling)
-        self._proposal = [int(t) for t in tokens[:k]]
-        return Draft(tokens[:k].cpu(), probs[:k] if probs is not None else None)
+        """The first ``k`` drafts picked from the draft states [1, B-1, D] of the block after ``last``.
+
+        Only those k states go through the LM head (a pick never looks at a later position): on a
+        small target the head is most of a draft's cost."""
+        tokens, probs = self._pick(states[:, :k], self._last, self._sampling)
+        self._proposal = [int(t) for t in tokens]
+        return Draft(tokens.cpu(), probs)
 
     def can_predraft(self) -> bool:
         return bool(self._proposal)
