@@ -13,6 +13,10 @@ and every buffer address is the same at each replay. So a static step:
   0-dim device tensor written before each run;
 - leaves its outputs in fixed buffers, valid until the slot's next step.
 
+A ``DecoderPool`` keeps its slots' caches as the rows of one KV store, so that the blocks of
+several slots also run as one static step (``DecoderPool.forward_packed``: concurrent streams,
+one graph per batch bucket and block bucket).
+
 ``StaticStep`` is that contract for any forward function that reads only fixed tensors. In
 ``"static"`` mode it runs the function eagerly (the CPU, tests, debugging: the very code the graph
 holds); in ``"cuda"`` mode it captures the function once, at first use or at warm-up, and
