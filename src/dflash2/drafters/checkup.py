@@ -47,15 +47,13 @@ def check_drafter(drafter: str | os.PathLike[str], target: str | os.PathLike[str
             "an autoregressive draft model needs no check beyond sharing the target's tokenizer."
         )
     spec = DFlashSpec.from_config(raw)
-    draft = raw.get("dflash_config") or {}
-    derived = not (draft.get("target_layer_ids") or raw.get("target_layer_ids"))
     facts = {
         "checkpoint": str(checkpoint),
         "format": f"DFlash{'2' if spec.version == 2 else ''} (z-lab)",
         "block size": f"{spec.block_size} (drafts up to {spec.block_size - 1} tokens a step)",
         "mask token id": str(spec.mask_token_id),
         "target layers": f"{list(spec.target_layer_ids)}"
-        + (f" (derived from num_target_layers={spec.num_target_layers})" if derived else ""),
+        + (f" (derived from num_target_layers={spec.num_target_layers})" if spec.layers_derived else ""),
         "trained for": f"{spec.num_target_layers}-layer targets" if spec.num_target_layers else "not recorded",
         "hidden size": str(spec.hidden_size),
         "drafter layers": ", ".join(_layer(c, w) for c, w in zip(spec.causal, spec.sliding_windows, strict=True)),

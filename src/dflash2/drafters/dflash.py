@@ -75,6 +75,7 @@ class DFlashSpec:
     selector_rank: int
     selector_top_k: int
     hf_config: Qwen3Config
+    layers_derived: bool = False  # the config names no target_layer_ids: spread over num_target_layers
 
     @staticmethod
     def is_dflash_config(raw: Mapping[str, Any]) -> bool:
@@ -134,6 +135,7 @@ class DFlashSpec:
                 selector_rank=int(value("selector_rank", 0) or 0) if version == 2 else 0,
                 selector_top_k=int(value("selector_top_k", 0) or 0) if version == 2 else 0,
                 hf_config=config,
+                layers_derived=not value("target_layer_ids"),
             )
         except (TypeError, ValueError, KeyError) as err:
             raise DrafterError(f"invalid DFlash drafter config: {err}") from err
