@@ -47,15 +47,18 @@ def test_packed_forward_equals_one_forward_per_request(paths: dict[str, Path]) -
             assert torch.allclose(packed[i].k[:, :, :, :n], cache.k[:, :, :, :n], atol=1e-5)
 
 
+@pytest.mark.parametrize("graphs", ["off", "static"])
 @pytest.mark.parametrize("version", ["dflash1", "dflash2", "hybrid"])
-def test_one_drafter_forward_drafts_for_several_sessions(paths: dict[str, Path], version: str) -> None:
+def test_one_drafter_forward_drafts_for_several_sessions(paths: dict[str, Path], version: str, graphs: str) -> None:
     """``propose_many`` gives each session the draft it proposes alone, step after step (the hybrid
-    drafter: lookups where they match, one DFlash forward for the others)."""
+    drafter: lookups where they match, one DFlash forward for the others). With static steps the
+    sessions hold static slots and draft together in the pool's packed static step."""
     from dflash2.config import SamplingConfig
     from dflash2.drafters.base import BatchDrafting, DraftContext, Outcome
+    from dflash2.drafters.dflash import DFlashDrafter
 
     choice: Any = paths.get(version) or ["ngram", paths["dflash2"]]  # the lookup matches some prompts only
-    model = dflash2.load(paths["target"], drafter=choice)
+    model = dflash2.load(paths["target"], drafter=choice, graphs=graphs)
     drafter, target = model.drafter, model.target
     assert isinstance(drafter, BatchDrafting) and drafter is not None
     prompts = [model.tokenizer(p).input_ids for p in PROMPTS[:3]]
@@ -87,6 +90,8 @@ def test_one_drafter_forward_drafts_for_several_sessions(paths: dict[str, Path],
                 outcome = Outcome(kept, 5 + step, tuple(int(t) for t in draft.tokens[:kept]), features)
                 a.observe(outcome)
                 b.observe(outcome)
+    dflash = next(d for d in (drafter, getattr(drafter, "model", None)) if isinstance(d, DFlashDrafter))
+    assert bool(dflash.steps and dflash.steps.packed) == (graphs == "static")
 
 
 def _models(paths: dict[str, Path], max_batch: int = 8, graphs: str = "off") -> dict[str, dflash2.Model]:

@@ -75,7 +75,8 @@ def test_no_host_sync_inside_the_resident_loop(name: str, temperature: float, pa
 @pytest.mark.parametrize("name", ["plain", "ngram", "dflash2"])
 async def test_concurrent_streams_replay_packed_graphs(name: str, paths: dict[str, Path]) -> None:
     """Four concurrent streams verify together in the pool's packed graphs (one per batch bucket and
-    block bucket); each stream's tokens are its eager tokens alone."""
+    block bucket), and DFlash sessions draft together in the drafter's; each stream's tokens are its
+    eager tokens alone."""
     eager, graphed = cuda_model(paths, name, "off"), cuda_model(paths, name, "cuda")
     prompts = [*SPEC_PROMPTS, "hello hello hello hello"]
     expected = [(await eager.agenerate(p, max_new_tokens=24 + 8 * i)).token_ids for i, p in enumerate(prompts)]
@@ -84,3 +85,6 @@ async def test_concurrent_streams_replay_packed_graphs(name: str, paths: dict[st
     assert graphed.steps is not None and max(s for r in results for s in r.stats.batch_sizes) > 1
     packed = [step for _, _, step in graphed.steps.packed.values()]
     assert all(step.captured for step in packed) and sum(step.replays for step in packed) > 0
+    if name == "dflash2":  # the sessions drafted together in the drafter pool's packed graphs
+        drafted = [entry[-1] for entry in graphed.drafter.steps.packed.values()]  # type: ignore[union-attr]
+        assert all(step.captured for step in drafted) and sum(step.replays for step in drafted) > 0

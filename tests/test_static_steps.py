@@ -21,6 +21,7 @@ from tiny import SPEC_PROMPTS, full_blocks
 import dflash2
 from dflash2 import GraphConfig, InvalidOptionError
 from dflash2.drafters import Draft
+from dflash2.drafters.dflash import DFlashDrafter
 from dflash2.engine import OverlapPolicy
 from dflash2.runtime.graphs import MAX_BUCKET, StaticStep, bucket, buckets_up_to
 
@@ -174,6 +175,7 @@ def test_warmup_builds_every_step_the_drafter_needs(paths: dict[str, Path], refe
         assert {(size, capture) for size in sizes} <= set(slot.steps)
     for slot in model.drafter.steps.slots:  # type: ignore[attr-defined]
         assert set(sizes) <= set(slot.steps)
+    assert {(2, size) for size in sizes} <= set(model.drafter.steps.packed)  # type: ignore[attr-defined]
     assert {(2, size, capture) for size in sizes} <= set(model.steps.packed)  # two slots: batches of two
     assert model.steps.free == 2
     assert list(model.generate(PROMPTS[2], max_new_tokens=48).token_ids) == references[PROMPTS[2]]
@@ -237,6 +239,10 @@ async def test_concurrent_streams_share_packed_static_steps(name: str, paths: di
         assert [r.token_ids for r in results] == expected
     assert model.steps.packed and max(s for r in results for s in r.stats.batch_sizes) > 1
     assert model.steps.free == 8 and not model.batcher.shared
+    drafters = (model.drafter, getattr(model.drafter, "model", None))  # a hybrid's model drafter
+    dflash = next((d for d in drafters if isinstance(d, DFlashDrafter)), None)
+    if dflash is not None:  # the DFlash sessions drafted together in the drafter pool's packed steps
+        assert dflash.steps is not None and dflash.steps.packed and dflash.steps.free == 8
 
 
 @pytest.mark.parametrize(("graphs", "hint"), [("graph", "graphs must be one of"), (True, "graphs must be one of")])

@@ -29,7 +29,17 @@ from transformers import Qwen3Config
 from dflash2.config import SamplingConfig
 from dflash2.drafters.base import Draft, DraftContext, DraftSession, Outcome, PreDraft
 from dflash2.errors import DrafterError
-from dflash2.runtime.graphs import MAX_BUCKET, Outputs, StaticStep, StepMode, StepPool, bucket, buckets_up_to
+from dflash2.runtime.graphs import (
+    MAX_BUCKET,
+    Outputs,
+    StaticStep,
+    StepMode,
+    StepPool,
+    batch_bucket,
+    batch_buckets,
+    bucket,
+    buckets_up_to,
+)
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.linear import Linear, pack_linears
 from dflash2.runtime.model import MLP, Decoder, RotaryTable, apply_rope, attend, rms_norm
@@ -451,15 +461,26 @@ class DFlashModel(nn.Module):
         return states
 
     def forward_many(
-        self, block_embeds: torch.Tensor, contexts: Sequence[torch.Tensor], caches: Sequence[KVCache]
+        self,
+        block_embeds: torch.Tensor,
+        contexts: Sequence[torch.Tensor],
+        caches: Sequence[KVCache],
+        starts: torch.Tensor | None = None,
+        counts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` for several sessions at once: ``block_embeds`` [S, T, D], session i's new
-        context ``contexts[i]`` [1, C_i, D] and cache ``caches[i]``; the weights are read once."""
+        context ``contexts[i]`` [1, C_i, D] and cache ``caches[i]``; the weights are read once.
+        A packed static step gives session i's cache length and real context rows as ``starts[i]``
+        and ``counts[i]`` (device tensors [S]; the caller advances the caches)."""
         block = block_embeds.shape[1]
-        parts = [self.part(c, block, cache) for c, cache in zip(contexts, caches, strict=True)]
+        parts = [
+            self.part(c, block, cache, *((starts[i], counts[i]) if starts is not None and counts is not None else ()))
+            for i, (c, cache) in enumerate(zip(contexts, caches, strict=True))
+        ]
         states = self._states(block_embeds, parts)
-        for context, cache in zip(contexts, caches, strict=True):
-            cache.advance(context.shape[1])
+        if starts is None:
+            for context, cache in zip(contexts, caches, strict=True):
+                cache.advance(context.shape[1])
         return states
 
     def _states(self, x: torch.Tensor, parts: Sequence[DraftPart]) -> torch.Tensor:
@@ -624,15 +645,15 @@ class DFlashDrafter:
         pack_linears(model)
         if isinstance(self.head, Linear) and self.head is not target.lm_head:
             self.head.pack()
-        self.steps: StepPool[DFlashSlot] | None = None
+        self.steps: DFlashPool | None = None
 
     def use_static_steps(self, mode: StepMode, context: int, slots: int) -> None:
-        # room past the context for a padded block and for the spare rows of the padding
-        self.steps = StepPool([DFlashSlot(self, context + 2 * MAX_BUCKET, mode) for _ in range(slots)], context)
+        self.steps = DFlashPool(self, mode, context, slots)
 
     def prepare_static_steps(self) -> None:
         if self.steps is not None:  # a step's new context is one verified block: its bonus and accepted drafts
             self.steps.prepare(buckets_up_to(self.block_size))
+            self.steps.prepare_packed(buckets_up_to(self.block_size))
 
     def resident_sessions(self) -> bool:
         return True
@@ -641,12 +662,15 @@ class DFlashDrafter:
         return DFlashSession(self, context)
 
     def propose_many(self, sessions: Sequence[DraftSession], max_tokens: Sequence[int]) -> list[Draft]:
-        """``sessions[i].propose(max_tokens[i])`` for each, the drafter forward of all that draft
-        (and have no static slot) run as one; the others draft on their own."""
+        """``sessions[i].propose(max_tokens[i])`` for each: the drafter forward of all that draft
+        and have no static slot run as one, so does that of all that draft on static slots (the
+        pool's packed static step); a session alone in its kind drafts on its own."""
         mine = [s for s in sessions if isinstance(s, DFlashSession)]
         if len(mine) != len(sessions):
             raise DrafterError("propose_many takes sessions of this drafter only.")
-        together = [i for i, s in enumerate(mine) if s.batchable and min(self.block_size - 1, max_tokens[i]) > 0]
+        wanted = [min(self.block_size - 1, k) for k in max_tokens]
+        together = [i for i, s in enumerate(mine) if s.batchable and wanted[i] > 0]
+        packed = [i for i, s in enumerate(mine) if s.packable and wanted[i] > 0]
         drafts: dict[int, Draft] = {}
         if len(together) > 1:
             blocks = torch.cat([mine[i]._block([mine[i]._last]) for i in together])
@@ -654,7 +678,12 @@ class DFlashDrafter:
             caches = [mine[i]._cache for i in together]
             states = self.model.forward_many(blocks, contexts, [c for c in caches if c is not None])[:, 1:]
             for row, i in enumerate(together):
-                drafts[i] = mine[i]._proposed(states[row : row + 1], min(self.block_size - 1, max_tokens[i]))
+                drafts[i] = mine[i]._proposed(states[row : row + 1], wanted[i])
+        if len(packed) > 1 and self.steps is not None:
+            entries = [(mine[i]._slot, mine[i]._last, mine[i]._take_features()) for i in packed]
+            made = self.steps.draft_many([(slot, last, f) for slot, last, f in entries if slot is not None])
+            for i, states in zip(packed, made, strict=True):
+                drafts[i] = mine[i]._proposed(states, wanted[i])
         return [drafts[i] if i in drafts else s.propose(max_tokens[i]) for i, s in enumerate(mine)]
 
 
@@ -665,10 +694,11 @@ class DFlashSlot:
     draft); the block is always ``[last, MASK x (B-1)]``, held in ``ids``.
     """
 
-    def __init__(self, drafter: DFlashDrafter, capacity: int, mode: StepMode) -> None:
+    def __init__(self, drafter: DFlashDrafter, capacity: int, mode: StepMode, row: int = 0) -> None:
         model = drafter.model
         self._d = drafter
         self.mode = mode
+        self.row = row  # its row in the pool's packed steps
         self.cache = model.new_cache(capacity, zeroed=True)
         self.start = torch.zeros((), dtype=torch.long, device=model.device)
         self.count = torch.zeros((), dtype=torch.long, device=model.device)
@@ -745,6 +775,88 @@ class DFlashSlot:
             step.capture()
 
 
+# features, block ids, cache lengths, context rows, and the step that reads them
+PackedDraftStep = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, StaticStep]
+
+
+class DFlashPool(StepPool[DFlashSlot]):
+    """The drafter's static slots and the packed static steps over them: the blocks of several
+    slots' sessions in one drafter forward (:meth:`draft_many`), one static step (one CUDA graph)
+    per batch bucket and bucket of new context rows.
+
+    A packed step over a batch bucket of B runs slots ``0 .. B - 1``, each over its own cache: a
+    slot not in the batch takes no context row and its block goes just before its spare rows,
+    past every context it may hold, where its own queries never look.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, mode: StepMode, context: int, slots: int) -> None:
+        # room past the context for a padded block and for the spare rows of the padding
+        super().__init__([DFlashSlot(drafter, context + 2 * MAX_BUCKET, mode, row=i) for i in range(slots)], context)
+        self._d = drafter
+        self.mode = mode
+        self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
+        self.packed: dict[tuple[int, int], PackedDraftStep] = {}
+
+    def packed_step(self, rows: int, size: int) -> PackedDraftStep:
+        """Features [rows, size, F], block ids [rows, B], cache lengths and context rows [rows], and
+        the step drafting for the first ``rows`` slots after ``size`` new context rows each."""
+        key = (rows, size)
+        if key not in self.packed:
+            d = self._d
+            model, spec = d.model, d.model.spec
+            width = len(spec.target_layer_ids) * spec.hidden_size
+            device = model.device
+            features = torch.zeros((rows, size, width), dtype=model.dtype, device=device)
+            ids = torch.full((rows, d.block_size), spec.mask_token_id, device=device)
+            starts = torch.zeros(rows, dtype=torch.long, device=device)
+            counts = torch.zeros(rows, dtype=torch.long, device=device)
+            caches = [slot.cache for slot in self.slots[:rows]]
+
+            def forward() -> Outputs:
+                embeds = d.target.embed(ids) * spec.input_embedding_scale
+                context = model.project_context(features)
+                contexts = [context[i : i + 1] for i in range(rows)]
+                return (model.forward_many(embeds, contexts, caches, starts, counts)[:, 1:],)
+
+            self.packed[key] = (features, ids, starts, counts, StaticStep(forward, self.mode, self.pool))
+        return self.packed[key]
+
+    def _idle_length(self, size: int) -> int:
+        """Where a slot not in a packed step puts its block: just before its ``size`` spare rows."""
+        return self.slots[0].cache.capacity - size - self._d.block_size
+
+    def draft_many(self, entries: Sequence[tuple[DFlashSlot, int, torch.Tensor]]) -> list[torch.Tensor]:
+        """Draft states [1, B-1, D] for each ``(slot, last token, new context features [C, F])``, in one
+        packed static step; each slot's cache advances by its C. Views of the step's buffer."""
+        size = bucket(max(max(int(f.shape[0]) for _, _, f in entries), 1))
+        rows = batch_bucket(max(slot.row for slot, _, _ in entries) + 1, len(self.slots))
+        features, ids, starts, counts, step = self.packed_step(rows, size)
+        lengths, numbers = [self._idle_length(size)] * rows, [0] * rows
+        for slot, last, new in entries:
+            count = int(new.shape[0])
+            slot.cache.check_room(count + self._d.block_size + size)
+            features[slot.row, :count].copy_(new)
+            ids[slot.row, 0].fill_(last)
+            lengths[slot.row], numbers[slot.row] = slot.cache.length, count
+        starts.copy_(torch.tensor(lengths), non_blocking=True)
+        counts.copy_(torch.tensor(numbers), non_blocking=True)
+        (states,) = step.run()
+        assert states is not None
+        for slot, _, new in entries:
+            slot.cache.advance(int(new.shape[0]))
+        return [states[slot.row : slot.row + 1] for slot, _, _ in entries]
+
+    def prepare_packed(self, sizes: Sequence[int]) -> None:
+        """Build (in ``"cuda"`` mode capture) the packed steps of every batch bucket and context bucket."""
+        for rows in batch_buckets(len(self.slots)):
+            for size in sizes:
+                _, _, starts, counts, step = self.packed_step(rows, size)
+                if self.mode == "cuda" and not step.captured:
+                    starts.fill_(self._idle_length(size))  # the capture writes where no query looks
+                    counts.fill_(0)
+                    step.capture()
+
+
 class DFlashSession:
     """One request: the drafter's context cache follows the verified text.
 
@@ -796,6 +908,16 @@ class DFlashSession:
     def batchable(self) -> bool:
         """Whether :meth:`DFlashDrafter.propose_many` may draft for it with others (no static slot)."""
         return self._slot is None and self._cache is not None
+
+    @property
+    def packable(self) -> bool:
+        """Whether :meth:`DFlashDrafter.propose_many` may draft for it in its pool's packed static step
+        (it holds a static slot, the slot's length is on the host, its new context fits a bucket)."""
+        return (
+            self._slot is not None
+            and not self._slot.resident
+            and sum(int(f.shape[0]) for f in self._pending) <= MAX_BUCKET
+        )
 
     def _pick(
         self, hidden: torch.Tensor, anchor: int | torch.Tensor, sampling: SamplingConfig

@@ -49,6 +49,16 @@ def bucket(tokens: int) -> int:
     return 1 << (tokens - 1).bit_length()
 
 
+def batch_bucket(rows: int, slots: int) -> int:
+    """The rows a packed step over a pool's first ``rows`` slots runs: the next power of two, at most ``slots``."""
+    return min(1 << (rows - 1).bit_length(), slots)
+
+
+def batch_buckets(slots: int) -> tuple[int, ...]:
+    """Every batch bucket (of two or more rows) of a pool of ``slots``."""
+    return tuple(sorted({batch_bucket(n, slots) for n in range(2, slots + 1)}))
+
+
 def buckets_up_to(tokens: int) -> tuple[int, ...]:
     """Every bucket a block of at most ``tokens`` may use."""
     return tuple(1 << i for i in range(bucket(tokens).bit_length()))
@@ -257,10 +267,6 @@ class DecoderPool(StepPool[Slot]):
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.packed: dict[tuple[int, int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor, StaticStep]] = {}
 
-    def batch_bucket(self, rows: int) -> int:
-        """The rows a packed step over the first ``rows`` runs: the next power of two, at most every slot."""
-        return min(1 << (rows - 1).bit_length(), len(self.slots))
-
     def packed_step(
         self, rows: int, size: int, capture: Sequence[int] = ()
     ) -> tuple[torch.Tensor, torch.Tensor, StaticStep]:
@@ -289,7 +295,7 @@ class DecoderPool(StepPool[Slot]):
         """
         counts = [int(tokens.shape[0]) for _, tokens in blocks]
         size = bucket(max(counts))
-        rows = self.batch_bucket(max(slot.row for slot, _ in blocks) + 1)
+        rows = batch_bucket(max(slot.row for slot, _ in blocks) + 1, len(self.slots))
         ids, starts, step = self.packed_step(rows, size, capture)
         lengths = [self.store.capacity - size] * rows  # rows not in the batch: past every context
         for (slot, tokens), count in zip(blocks, counts, strict=True):
@@ -308,8 +314,7 @@ class DecoderPool(StepPool[Slot]):
 
     def prepare_packed(self, sizes: Sequence[int], capture: Sequence[int] = ()) -> None:
         """Build (in ``"cuda"`` mode capture) the packed steps of every batch bucket and block size."""
-        rows = sorted({self.batch_bucket(n) for n in range(2, len(self.slots) + 1)})
-        for count in rows:
+        for count in batch_buckets(len(self.slots)):
             for size in sizes:
                 _, starts, step = self.packed_step(count, size, capture)
                 if self.mode == "cuda" and not step.captured:
