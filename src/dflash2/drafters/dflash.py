@@ -87,6 +87,11 @@ class DFlashSpec:
     hf_config: Qwen3Config
     layers_derived: bool = False  # the config names no target_layer_ids: spread over num_target_layers
 
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features the drafter reads per token: its target layers' states, concatenated."""
+        return len(self.target_layer_ids) * self.hidden_size
+
     @staticmethod
     def is_dflash_config(raw: Mapping[str, Any]) -> bool:
         return "dflash_config" in raw or any("DFlash" in a for a in raw.get("architectures") or [])
@@ -385,8 +390,7 @@ class DFlashModel(nn.Module):
     def __init__(self, spec: DFlashSpec, max_positions: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.spec = spec
-        features = len(spec.target_layer_ids) * spec.hidden_size
-        self.fc = Linear(features, spec.hidden_size)
+        self.fc = Linear(spec.feature_width, spec.hidden_size)
         self.hidden_norm = nn.Parameter(torch.ones(spec.hidden_size))
         self.layers = nn.ModuleList(DFlashLayer(spec) for _ in range(spec.num_layers))
         self.norm = nn.Parameter(torch.ones(spec.hidden_size))
@@ -658,6 +662,10 @@ class DFlashDrafter:
     def resident_sessions(self) -> bool:
         return True
 
+    def embed_block(self, ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [S, T, D] of blocks ``ids`` [S, T]: the target's, scaled as the drafter was trained."""
+        return self.target.embed(ids) * self.model.spec.input_embedding_scale
+
     def start(self, context: DraftContext) -> DFlashSession:
         return DFlashSession(self, context)
 
@@ -680,8 +688,7 @@ class DFlashDrafter:
             for row, i in enumerate(together):
                 drafts[i] = mine[i]._proposed(states[row : row + 1], wanted[i])
         if len(packed) > 1 and self.steps is not None:
-            entries = [(mine[i]._slot, mine[i]._last, mine[i]._take_features()) for i in packed]
-            made = self.steps.draft_many([(slot, last, f) for slot, last, f in entries if slot is not None])
+            made = self.steps.draft_many([mine[i]._packed_inputs() for i in packed])
             for i, states in zip(packed, made, strict=True):
                 drafts[i] = mine[i]._proposed(states, wanted[i])
         return [drafts[i] if i in drafts else s.propose(max_tokens[i]) for i, s in enumerate(mine)]
@@ -710,12 +717,11 @@ class DFlashSlot:
     def step(self, size: int) -> tuple[torch.Tensor, StaticStep]:
         """The feature buffer [1, size, F] and the step drafting after ``size`` new context rows."""
         if size not in self.steps:
-            model, spec = self._d.model, self._d.model.spec
-            width = len(spec.target_layer_ids) * spec.hidden_size
-            features = torch.zeros((1, size, width), dtype=model.dtype, device=model.device)
+            model = self._d.model
+            features = torch.zeros((1, size, model.spec.feature_width), dtype=model.dtype, device=model.device)
 
             def forward() -> Outputs:
-                embeds = self._d.target.embed(self.ids) * spec.input_embedding_scale
+                embeds = self._d.embed_block(self.ids)
                 states = model(embeds, model.project_context(features), self.cache, self.start, self.count)
                 return (states[:, 1:],)
 
@@ -803,17 +809,16 @@ class DFlashPool(StepPool[DFlashSlot]):
         key = (rows, size)
         if key not in self.packed:
             d = self._d
-            model, spec = d.model, d.model.spec
-            width = len(spec.target_layer_ids) * spec.hidden_size
+            model = d.model
             device = model.device
-            features = torch.zeros((rows, size, width), dtype=model.dtype, device=device)
-            ids = torch.full((rows, d.block_size), spec.mask_token_id, device=device)
+            features = torch.zeros((rows, size, model.spec.feature_width), dtype=model.dtype, device=device)
+            ids = torch.full((rows, d.block_size), model.spec.mask_token_id, device=device)
             starts = torch.zeros(rows, dtype=torch.long, device=device)
             counts = torch.zeros(rows, dtype=torch.long, device=device)
             caches = [slot.cache for slot in self.slots[:rows]]
 
             def forward() -> Outputs:
-                embeds = d.target.embed(ids) * spec.input_embedding_scale
+                embeds = d.embed_block(ids)
                 context = model.project_context(features)
                 contexts = [context[i : i + 1] for i in range(rows)]
                 return (model.forward_many(embeds, contexts, caches, starts, counts)[:, 1:],)
@@ -883,9 +888,8 @@ class DFlashSession:
 
     def _take_features(self) -> torch.Tensor:
         """The target features [C, F] not yet in the drafter's cache (they go in with the next draft)."""
-        model, spec = self._model, self._model.spec
-        width = len(spec.target_layer_ids) * spec.hidden_size
-        pending = self._pending or [torch.zeros(0, width)]
+        model = self._model
+        pending = self._pending or [torch.zeros(0, model.spec.feature_width)]
         self._pending = []
         return torch.cat(pending, dim=0).to(device=model.device, dtype=model.dtype)
 
@@ -893,7 +897,7 @@ class DFlashSession:
         """Input embeddings [1, T, D] of the block ``[clean..., MASK x (B-1)]``."""
         spec = self._model.spec
         ids = torch.tensor([[*clean, *[spec.mask_token_id] * (self._d.block_size - 1)]], device=self._model.device)
-        return self._d.target.embed(ids) * spec.input_embedding_scale
+        return self._d.embed_block(ids)
 
     def _draft_states(self, clean: list[int]) -> torch.Tensor:
         """Draft states [1, B-1, D] for the masks after the ``clean`` tokens; feeds pending features."""
@@ -908,6 +912,11 @@ class DFlashSession:
     def batchable(self) -> bool:
         """Whether :meth:`DFlashDrafter.propose_many` may draft for it with others (no static slot)."""
         return self._slot is None and self._cache is not None
+
+    def _packed_inputs(self) -> tuple[DFlashSlot, int, torch.Tensor]:
+        """Its slot, last token and new context features for the pool's packed step (see ``packable``)."""
+        assert self._slot is not None
+        return self._slot, self._last, self._take_features()
 
     @property
     def packable(self) -> bool:
