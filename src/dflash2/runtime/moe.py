@@ -35,7 +35,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         chosen, weights = self.route(flat)
-        picks = chosen.flatten()  # token i's j-th choice at i * k + j
+        picks, scales = chosen.flatten(), weights.flatten()  # token i's j-th choice at i * k + j
         order = torch.argsort(picks, stable=True)  # the picks grouped by expert, ascending
         counts = torch.bincount(picks, minlength=self.gate_up.shape[0]).tolist()
         out = torch.zeros_like(flat)
@@ -47,6 +47,6 @@ class SparseMoE(nn.Module):
             begin += count
             rows = mine // self.top_k
             gate, up = F.linear(flat[rows], self.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[expert]) * weights.flatten()[mine, None]
+            y = F.linear(F.silu(gate) * up, self.down[expert]) * scales[mine, None]
             out.index_add_(0, rows, y)
         return out.view_as(x)
