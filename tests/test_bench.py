@@ -166,7 +166,8 @@ def test_sweep(tiny_llama: Path, tmp_path: Path) -> None:
     ]
     assert all(p["prompt_tokens"] == p["x"] for p in by_length)
     by_block = [p for p in data["points"] if p["sweep"] == "block-size"]
-    assert [(p["x"], p["config"]) for p in by_block] == [(4, "dflash2-ngram-sync@4"), (8, "dflash2-ngram-sync@8")]
+    expected = [(4, "dflash2-ngram-sync@4"), (8, "dflash2-ngram-sync@8"), (8, "dflash2-ngram-sync@8-auto")]
+    assert [(p["x"], p["config"]) for p in by_block] == expected  # whole blocks, then the policy's choice
     assert all(p["mean_acceptance_length"] >= 1 for p in by_block)
     assert all(max(p["acceptance_lengths"]) <= p["x"] for p in by_block)
 
@@ -179,6 +180,26 @@ def test_sweep(tiny_llama: Path, tmp_path: Path) -> None:
     for name in ("sweep-prompt-length.png", "sweep-block-size.png"):
         assert f"images/{name}" in section
         _assert_png(tmp_path / "images" / name)
+
+
+def test_drafter_weights_sweep(tiny_llama: Path, tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    args = _args(
+        "--model", str(tiny_llama), "--limit", "2", "--max-new-tokens", "8", "--datasets", "humaneval",
+        "--sweep", "drafter-weights", "--sweep-config", "dflash2-ar-sync", "--ar-drafter", str(tiny_llama),
+        "--out", str(tmp_path), "--doc", str(doc), "--no-progress",
+    )  # fmt: skip
+    main(args)
+    (json_path,) = tmp_path.glob("sweep-*.json")
+    points = json.loads(json_path.read_text())["points"]
+    assert [(p["x"], p["config"]) for p in points] == [
+        (32, "dflash2-ar-sync@same"), (16, "dflash2-ar-sync@bf16"), (8, "dflash2-ar-sync@int8"),
+        (4, "dflash2-ar-sync@int4"),
+    ]  # fmt: skip
+    for p in points:  # a drafter's precision never changes the output
+        assert p["identical"] == p["prompts"] == 2
+    section = _section(doc, "sweep")
+    assert "### Drafter weights" in section and "| fp32 (same as the target) |" in section
 
 
 def test_concurrency_sweep(tiny_llama: Path, tmp_path: Path) -> None:

@@ -39,12 +39,19 @@ def test_best_length() -> None:
 class InjectedCosts(DraftLengthPolicy):
     """Costs fixed in advance (a forward of T tokens: 1 + 0.1 (T - 1); a draft: 0.05 per step)."""
 
+    draft_s = 0.05  # a step's drafting, whatever its length ...
+    draft_per_token_s = 0.0  # ... plus this per draft token
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.requests: list[DraftLength] = []
         for tokens in range(1, 65):
             super().record_verify(tokens, self.forward(tokens))
-            super().record_draft(tokens, 0.05)
+            super().record_draft(tokens, self.drafting(tokens))
+
+    @classmethod
+    def drafting(cls, tokens: int) -> float:
+        return cls.draft_s + cls.draft_per_token_s * tokens if tokens else 0.0
 
     @staticmethod
     def forward(tokens: int) -> float:
@@ -53,7 +60,7 @@ class InjectedCosts(DraftLengthPolicy):
     def record_verify(self, tokens: int, seconds: float) -> None:
         pass
 
-    def record_draft(self, tokens: int, seconds: float) -> None:
+    def record_draft(self, tokens: int, seconds: float, source: str = "model") -> None:
         pass
 
     def start(self, fixed: bool = False) -> DraftLength:
@@ -63,7 +70,14 @@ class InjectedCosts(DraftLengthPolicy):
     def modelled_seconds(self) -> float:
         """What the requests' chosen lengths cost under these costs."""
         chosen = [k for request in self.requests for k in request.chosen]
-        return sum(self.forward(k + 1) + (0.05 if k else 0.0) for k in chosen)
+        return sum(self.forward(k + 1) + self.drafting(k) for k in chosen)
+
+
+class DearDrafts(InjectedCosts):
+    """Every draft token costs more than a target forward (1.5 s against 1 s)."""
+
+    draft_s = 0.0
+    draft_per_token_s = 1.5
 
 
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
@@ -80,8 +94,22 @@ def test_a_drafter_that_is_never_right_costs_almost_nothing(paths: dict[str, Pat
     assert lengths.modelled_seconds() <= 1.05 * steps * InjectedCosts.forward(1)  # within 5 % of plain
 
 
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_a_drafter_dearer_than_a_forward_costs_almost_nothing(paths: dict[str, Path], pipeline: str) -> None:
+    plain = dflash2.load(paths["target"])
+    truth = list(plain.generate(SPEC_PROMPTS[1], max_new_tokens=300).token_ids)
+    model = dflash2.load(paths["target"], drafter=ScriptedDrafter(truth, [5]))  # every draft right
+    lengths = model.lengths = DearDrafts()
+    completion = model.generate(SPEC_PROMPTS[1], max_new_tokens=300, pipeline=pipeline)
+    assert list(completion.token_ids) == truth
+    steps = completion.stats.steps
+    assert lengths.requests[0].chosen.count(0) >= 0.95 * steps  # right, but dearer than what they save
+    assert lengths.modelled_seconds() <= 1.05 * steps * InjectedCosts.forward(1)  # within 5 % of plain
+
+
 def test_a_drafter_that_is_always_right_drafts_whole_blocks(paths: dict[str, Path]) -> None:
-    model = dflash2.load(paths["target"], drafter=paths["target"], block_size=5)  # the target drafting for itself
+    # the target drafting for itself, in its own precision
+    model = dflash2.load(paths["target"], drafter=paths["target"], block_size=5, drafter_weights="same")
     lengths = model.lengths = InjectedCosts()
     completion = model.generate(SPEC_PROMPTS[1], max_new_tokens=41, pipeline="sync")
     chosen = lengths.requests[0].chosen
@@ -154,6 +182,71 @@ async def test_concurrent_streams_time_their_packed_forwards(paths: dict[str, Pa
     together = await asyncio.gather(*(model.agenerate(p, max_new_tokens=30) for p in SPEC_PROMPTS))
     assert [c.token_ids for c in together] == alone
     assert model.lengths._packed  # every batch without a prompt in it was timed, by its size
+
+
+def _confident_policy(draft_per_token: float = 0.05) -> DraftLengthPolicy:
+    """A policy with a forward of T tokens costing 1 + 0.1 (T - 1) s and drafts ``draft_per_token`` a token."""
+    policy = DraftLengthPolicy()
+    for tokens in range(1, 10):
+        policy.record_verify(tokens, 1.0 + 0.1 * (tokens - 1))
+    for tokens in range(1, 9):
+        policy.record_draft(tokens, draft_per_token * tokens)
+    return policy
+
+
+def _drafted(request: DraftLength, confidence: list[float], limit: int = 8) -> int:
+    """Tokens a drafter asking :meth:`DraftLength.keep_drafting` drafts when it is this sure of each."""
+    k = request.choose(limit)
+    drafted = 0
+    while drafted < k:
+        drafted += 1
+        if not request.keep_drafting(drafted, confidence[drafted - 1]):
+            break
+    return drafted
+
+
+def test_a_drafter_reporting_confidence_drafts_as_far_as_it_is_likely_right() -> None:
+    policy = _confident_policy()
+    request = policy.start()
+    request.record_outcome(2, 2, (0.99, 0.99))  # it reports confidence: from now on it stops itself
+    assert policy.confident()
+    assert _drafted(request, [0.99] * 8) == 8  # sure and cheap: the whole block
+    assert _drafted(request, [0.99, 0.99, 0.05, 0.99, 0.99, 0.99, 0.99, 0.99]) == 3  # stops at a token unlikely right
+    dear = _confident_policy(draft_per_token=0.5).start()
+    dear.record_outcome(2, 2, (0.99, 0.99))
+    assert 1 <= _drafted(dear, [0.8] * 8) < 8  # dearer drafts stop sooner
+    seeded = policy.start(fixed=True)
+    assert _drafted(seeded, [0.01] * 8) == 8  # a seeded sample keeps whole blocks whatever it is told
+
+
+def test_confidence_is_calibrated_by_outcomes() -> None:
+    policy = _confident_policy()
+    assert policy.chance(0.9) == pytest.approx(0.9)  # nothing seen: taken at its word
+    request = policy.start()
+    for _ in range(20):  # sure of tokens that are right only a fifth of the time
+        for _ in range(4):
+            request.record_outcome(5, 0, (0.99,) * 5)
+        request.record_outcome(1, 1, (0.99,))
+    assert policy.chance(0.99) < 0.5
+    assert _drafted(request, [0.99] * 8) <= 2
+
+
+def test_a_model_drafter_is_timed_at_load(paths: dict[str, Path]) -> None:
+    model = dflash2.load(paths["target"], drafter=["ngram", paths["target"]])
+    block = model.drafter.model.block_size  # type: ignore[union-attr]
+    assert set(model.lengths.summary()["draft_s"]) == set(range(1, block))  # each length the model drafts
+
+
+def test_a_hybrid_drafter_measures_its_lookup_apart(paths: dict[str, Path]) -> None:
+    plain = dflash2.load(paths["target"])
+    truth = list(plain.generate(SPEC_PROMPTS[1], max_new_tokens=120).token_ids)
+    lookup = dflash2.drafters.NGramDrafter(min_ngram=1, max_ngram=2)  # single tokens recur: it finds matches
+    hybrid = dflash2.drafters.HybridDrafter(ScriptedDrafter(truth, [5]), lookup)  # the model half always right
+    model = dflash2.load(paths["target"], drafter=hybrid)
+    assert list(model.generate(SPEC_PROMPTS[1], max_new_tokens=120).token_ids) == truth
+    by_lookup, by_model = model.lengths.prior(3, "lookup"), model.lengths.prior(3)
+    assert by_lookup != [0.5] * 3 and by_model != [0.5] * 3  # each learnt from its own drafts
+    assert by_model[0] > 0.9 > by_lookup[0]  # the scripted model is right, the lookup of random text is not
 
 
 def test_bad_policy_options() -> None:

@@ -113,7 +113,7 @@ def test_notebook_runs(smollm2: dflash2.Model) -> None:
 @pytest.mark.smollm2
 def test_demo_command_prints_text_and_speedup(smollm2: dflash2.Model) -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "dflash2.cli", "demo", "--max-new-tokens", "24"]
+    command = [sys.executable, "-m", "dflash2.cli", "demo", "--model", "smollm2", "--max-new-tokens", "24"]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "speedup" in result.stdout and "outputs identical" in result.stdout, result.stdout[-1000:]

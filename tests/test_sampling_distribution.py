@@ -91,8 +91,13 @@ def drafter_for(name: str, paths: dict[str, Path]) -> Any:
     )
 
 
-CASES = [(name, CONFIGS[0]) for name in ("plain", "ngram", "autoregressive", "dflash", "dflash2", "dflash-vocab")] + [
-    (name, CONFIGS[1]) for name in ("ngram", "autoregressive", "dflash2", "dflash2-vocab", "hybrid")
+# "name@weights": the drafter in those weights (a drafter's precision never changes the distribution)
+CASES = [
+    (name, CONFIGS[0])
+    for name in ("plain", "ngram", "autoregressive", "autoregressive@same", "dflash", "dflash2", "dflash-vocab")
+] + [
+    (name, CONFIGS[1])
+    for name in ("ngram", "autoregressive", "autoregressive@int8", "dflash2", "dflash2@int4", "dflash2-vocab", "hybrid")
 ]
 
 
@@ -122,7 +127,10 @@ def check_marginals(counts: list[np.ndarray], exact: list[np.ndarray]) -> None:
 
 @pytest.mark.parametrize(("name", "config"), CASES, ids=[f"{n}-{'t1' if c is CONFIGS[0] else 'tkp'}" for n, c in CASES])
 def test_speculative_sampling_matches_the_target(name: str, config: SamplingConfig, paths: dict[str, Path]) -> None:
-    model = dflash2.load(paths["target"], drafter=drafter_for(name, paths), block_size=3 if name != "plain" else None)
+    name, _, weights = name.partition("@")
+    drafter = drafter_for(name, paths)
+    block = 3 if name != "plain" else None
+    model = dflash2.load(paths["target"], drafter=drafter, block_size=block, drafter_weights=weights or "auto")
     prompt_ids = model.tokenizer(PROMPT).input_ids
     assert max(prompt_ids) < VOCAB8
     *counts, accepted = sample_marginals(model, config, 3, pipeline="sync")
@@ -168,7 +176,7 @@ class VaryingLength(DraftLengthPolicy):
     def record_verify(self, tokens: int, seconds: float) -> None:
         pass
 
-    def record_draft(self, tokens: int, seconds: float) -> None:
+    def record_draft(self, tokens: int, seconds: float, source: str = "model") -> None:
         pass
 
     def start(self, fixed: bool = False) -> DraftLength:

@@ -73,7 +73,9 @@ def test_speculative_greedy_identical_to_transformers(
     choices = {"ngram": "ngram", "autoregressive": smollm2_gguf, "shipped": shipped_drafter()}
     choices["hybrid"] = ["ngram", shipped_drafter()]
     arg: Any = choices.get(drafter) or _random_dflash(tmp_path / "d")
-    model = dflash2.load(smollm2_gguf, drafter=arg, block_size={"autoregressive": 6, "dflash": 4}.get(drafter))
+    block_size = {"autoregressive": 6, "dflash": 4}.get(drafter)
+    weights = "same" if drafter == "autoregressive" else "auto"  # the target drafting for itself, unchanged
+    model = dflash2.load(smollm2_gguf, drafter=arg, block_size=block_size, drafter_weights=weights)
     model.policy = OverlapPolicy(schedule="overlap")  # the async runs pre-draft every step
     full_blocks(model)  # and every step drafts a whole block
     runs = [(0, "sync")] + [(i, "async") for i in range(len(SPEC_PROMPTS))]

@@ -42,8 +42,8 @@ def test_greedy_identical_to_transformers(
 
 
 def test_self_draft_accepts_every_token(paths: dict[str, Path]) -> None:
-    model = full_blocks(dflash2.load(paths["target"], drafter=paths["target"], block_size=5))
-    stats = model.generate(PROMPTS[1], max_new_tokens=41).stats
+    model = dflash2.load(paths["target"], drafter=paths["target"], block_size=5, drafter_weights="same")
+    stats = full_blocks(model).generate(PROMPTS[1], max_new_tokens=41).stats
     # 1 token from the prefill, then 8 full blocks of 5 (4 drafts + the bonus)
     assert stats.acceptance_lengths == (5,) * 8
     assert stats.mean_acceptance_length == 5.0

@@ -25,7 +25,7 @@ from dflash2.config import (
     SpeculativeConfig,
     parse_generation_options,
 )
-from dflash2.drafters import Drafter, load_drafter
+from dflash2.drafters import AutoregressiveDrafter, DFlashDrafter, Drafter, HybridDrafter, load_drafter
 from dflash2.drafters.base import Draft, StaticStepping, drafter_context
 from dflash2.engine import (
     AsyncPipeline,
@@ -41,6 +41,7 @@ from dflash2.runtime.device import resolve_device, resolve_dtype
 from dflash2.runtime.graphs import MAX_BUCKET, DecoderPool, buckets_up_to
 from dflash2.runtime.loader import load_decoder, load_eos_ids, load_tokenizer, resolve_checkpoint
 from dflash2.runtime.model import Decoder
+from dflash2.runtime.quant import check_weight_format
 from dflash2.runtime.workers import Workers, release_thread_pool
 from dflash2.stream import BlockingTokenStream, Completion, TokenSource, TokenStream
 from dflash2.tokenize import Prompt, encode_prompt
@@ -107,12 +108,12 @@ class Model:
         drafter = self.drafter.name if self.drafter is not None else None
         return f"Model({self.name!r}, drafter={drafter!r}, device={self.device}, dtype={self.dtype})"
 
-    def with_drafter(self, drafter: Any, block_size: int | None = None) -> Model:
+    def with_drafter(self, drafter: Any, block_size: int | None = None, drafter_weights: str = "auto") -> Model:
         """The same target (weights shared, not copied) with another drafter; see :func:`load`."""
         if block_size is not None:
             block_size = SpeculativeConfig(block_size=block_size).block_size
         try:
-            chosen = load_drafter(drafter, self.target, self.tokenizer, block_size)
+            chosen = load_drafter(drafter, self.target, self.tokenizer, block_size, drafter_weights)
         finally:
             release_thread_pool()
         model = Model(
@@ -130,8 +131,10 @@ class Model:
         return [i % self.target.spec.vocab_size for i in range(1, tokens + 1)]
 
     def calibrate(self) -> None:
-        """Time the target's forward over 1 .. ``block_size`` tokens on this device (best of two),
-        the cost curve the draft-length policy starts from; :meth:`with_drafter` calls it."""
+        """Time the target's forward over 1 .. ``block_size`` tokens on this device (best of two)
+        and a model drafter's drafts of 1 .. ``block_size - 1`` tokens: the cost curves the
+        draft-length policy starts from (a drafter of your own is timed as it drafts); :meth:`with_drafter`
+        calls it."""
         if self.drafter is None:
             return
         block = self.drafter.block_size
@@ -141,6 +144,12 @@ class Model:
         times = self.workers.verify.call(functools.partial(_time_forwards, request, block))
         for tokens, seconds in times.items():
             self.lengths.record_verify(tokens, seconds)
+        if not isinstance(self.drafter, (AutoregressiveDrafter, DFlashDrafter, HybridDrafter)):
+            return
+        config = GenerationConfig(max_new_tokens=block * block)
+        request = Request(self.target, self._filler(), config, SamplingConfig(), self.drafter, self.steps)
+        for tokens, seconds in self.workers.verify.call(functools.partial(_time_drafts, request, block)).items():
+            self.lengths.record_draft(tokens, seconds)
 
     def warmup(self) -> None:
         """Build the static steps (capture the CUDA graphs) and run one short generation.
@@ -255,6 +264,26 @@ def _time_forwards(request: Request, block: int) -> dict[int, float]:
     return best
 
 
+def _time_drafts(request: Request, block: int) -> dict[int, float]:
+    """Seconds of drafting 1 .. ``block - 1`` tokens, a step each (after one untimed draft): drafts
+    that come out shorter (a lookup that finds nothing) are not counted."""
+    times: dict[int, float] = {}
+    try:
+        request.prefill()
+        for wanted in range(block):
+            if request.session is None or request.room < wanted:
+                break
+            start = time.perf_counter()
+            draft = request.session.propose(max(wanted, 1))
+            seconds = time.perf_counter() - start
+            if wanted > 0 and len(draft) == wanted:
+                times[wanted] = seconds
+            request.check(Draft(draft.tokens.to(request.target.device), draft.probs))
+    finally:
+        request.close()
+    return times
+
+
 def _run_to_the_end(request: Request) -> None:
     """The sync loop in one call (warm-up): prefill, then steps until ``max_new_tokens``."""
     try:
@@ -289,6 +318,7 @@ def load(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
     block_size: int | None = None,
+    drafter_weights: str = "auto",
     graphs: GraphConfig | GraphMode = "auto",
     max_batch: int = 8,
 ) -> Model:
@@ -297,7 +327,10 @@ def load(
     ``drafter``: ``None`` (plain decoding), ``"ngram"`` (prompt lookup), a hub id or directory
     of a DFlash / DFlash2 drafter or of a small causal LM with the target's tokenizer, or a
     :class:`dflash2.drafters.Drafter` object. ``block_size`` (tokens per verify forward, incl. the
-    last verified one) overrides the drafter's default. ``graphs``: CUDA graphs (``"cuda"``, the
+    last verified one) overrides the drafter's default. ``drafter_weights``: the precision a
+    model drafter runs in: ``"same"`` as the target, ``"bf16"``, ``"int8"`` or ``"int4"``
+    (weight-only); it changes how many drafts are accepted, never the output. ``"auto"``: int4 for
+    a small causal LM on the CPU, else the same as the target. ``graphs``: CUDA graphs (``"cuda"``, the
     default on CUDA, captured at load), eager forwards (``"off"``, the default on the CPU), or a
     :class:`GraphConfig`. ``max_batch``: the most concurrent streams whose steps share one target
     forward (see ``engine.batch``).
@@ -308,6 +341,8 @@ def load(
         raise InvalidOptionError(f"target must be a hub id or a path, not {type(target).__name__}.")
     if block_size is not None:
         SpeculativeConfig(block_size=block_size)  # fail before loading anything
+    if drafter_weights != "auto":
+        check_weight_format(drafter_weights, "drafter_weights")
     graph_config = GraphConfig.of(graphs)
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
@@ -322,6 +357,6 @@ def load(
         model = Model(
             decoder, tokenizer, eos, name=name, checkpoint=checkpoint, graphs=graph_config, max_batch=max_batch
         )
-        return model.with_drafter(drafter, block_size)
+        return model.with_drafter(drafter, block_size, drafter_weights)
     finally:
         release_thread_pool()  # generation computes on dflash2's own threads (see runtime.workers)

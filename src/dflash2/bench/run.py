@@ -40,12 +40,14 @@ from dflash2.bench.report import (
     update_section,
     write_json,
 )
-from dflash2.bench.runners import DFlash2Runner, Runner, TransformersRunner
+from dflash2.bench.runners import DFlash2Runner, LlamaServerRunner, Runner, TransformersRunner
 from dflash2.bench.sweep import (
     SWEEPS,
+    WEIGHT_BITS,
     Point,
-    block_size_sweep,
     block_size_table,
+    drafted_sweep,
+    drafter_weights_table,
     plot_block_size,
     plot_prompt_length,
     prompt_length_sweep,
@@ -60,11 +62,14 @@ from dflash2.tokenize import encode_prompt
 
 # transformers-1thread: plain greedy on dflash2's 1-thread draft worker (transformers' best thread count may be 1)
 PEERS = ("transformers", "transformers-1thread", "transformers-prompt-lookup", "transformers-assisted")
-DRAFTED = ("ngram", "ar", "dflash", "hybrid")  # hybrid: prompt lookup first, the DFlash drafter otherwise
+# llama.cpp's server on the GGUF files themselves (--llama-cpp): plain, the --ar-drafter GGUF drafting, n-gram
+LLAMA_CPP = ("llama.cpp", "llama.cpp-speculative", "llama.cpp-ngram")
+DRAFTED = ("ngram", "ar", "dflash", "hybrid")  # hybrid: prompt lookup first, the DFlash (or AR) drafter otherwise
 PIPELINE_NAMES = ("sync", "async")
 # "-fixed": every step drafts as far as the block allows (no draft-length policy), as before it existed
 CONFIGS = (
     *PEERS,
+    *LLAMA_CPP,
     "dflash2",
     *(f"dflash2-{d}-{p}{f}" for d in DRAFTED for p in PIPELINE_NAMES for f in ("", "-fixed")),
 )
@@ -85,15 +90,22 @@ def build_runners(
     drafters: dict[str, Any],
     block_sizes: dict[str, int | None],
     schedule: Schedule = "auto",
+    drafter_weights: str = "auto",
+    llama_cpp: Path | None = None,
+    gguf: Path | None = None,
 ) -> list[Runner]:
-    """One runner per configuration; drafter-backed ones share the target's weights."""
+    """One runner per configuration; drafter-backed ones share the target's weights. ``llama_cpp``:
+    the folder of llama.cpp's binaries; its runners read the GGUF files ``gguf`` (the target) and
+    ``drafters["ar"]``."""
     runners: list[Runner] = []
     hf: Any = None
     with_drafter: dict[str, Model] = {}
     for name in configs:
         if name not in CONFIGS:
             raise SystemExit(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
-        if name.startswith("transformers"):
+        if name in LLAMA_CPP:
+            runners.append(_llama_cpp_runner(name, llama_cpp, gguf, drafters.get("ar"), block_sizes.get("ar")))
+        elif name.startswith("transformers"):
             hf = hf if hf is not None else _hf_model(model.checkpoint, model.dtype)
             worker = model.workers.verify
             if name == "transformers":
@@ -112,10 +124,10 @@ def build_runners(
         else:
             _, kind, pipeline, *fixed = name.split("-")
             if drafters.get(kind) is None:
-                raise SystemExit(f"{name} needs --{'dflash' if kind == 'hybrid' else kind}-drafter")
+                raise SystemExit(f"{name} needs --{'dflash-drafter or --ar' if kind == 'hybrid' else kind}-drafter")
             key = kind + "-fixed" * bool(fixed)
             if key not in with_drafter:
-                with_drafter[key] = model.with_drafter(drafters[kind], block_sizes.get(kind))
+                with_drafter[key] = model.with_drafter(drafters[kind], block_sizes.get(kind), drafter_weights)
                 with_drafter[key].policy = OverlapPolicy(schedule=schedule)
                 if fixed:
                     with_drafter[key].lengths = DraftLengthPolicy(mode="fixed")
@@ -123,13 +135,43 @@ def build_runners(
     return runners
 
 
+def _llama_cpp_runner(
+    name: str, folder: Path | None, target: Path | None, drafter: Any, block_size: int | None
+) -> LlamaServerRunner:
+    if folder is None or not (folder / "llama-server").is_file():
+        raise SystemExit(f"{name} needs --llama-cpp, the folder holding llama.cpp's llama-server")
+    if target is None or target.suffix != ".gguf":
+        raise SystemExit(f"{name} runs GGUF files: --model must be a .gguf file or an offline model name")
+    extra: list[str] = []
+    if name == "llama.cpp-speculative":
+        if drafter is None or Path(str(drafter)).suffix != ".gguf":
+            raise SystemExit(f"{name} needs --ar-drafter as a .gguf file or an offline model name")
+        extra = ["--spec-type", "draft-simple", "-md", str(drafter), "--spec-draft-n-max", str((block_size or 9) - 1)]
+    elif name == "llama.cpp-ngram":
+        extra = ["--spec-type", "ngram-simple"]
+    return LlamaServerRunner(folder / "llama-server", target, name, torch.get_num_threads(), extra)
+
+
+def _model_path(source: str | None) -> Any:
+    """A target or drafter argument: an offline model's short name becomes its GGUF file."""
+    from dflash2.demo_model import OFFLINE_MODELS, offline_model
+
+    return offline_model(source) if source in OFFLINE_MODELS else source
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="target (default: the offline SmolLM2-135M-Instruct GGUF)")
+    parser.add_argument(
+        "--model", default=None, help="target: a hub id, a path, or an offline model's name (default: smollm2-135m)"
+    )
     parser.add_argument("--datasets", default="humaneval,mtbench")
     parser.add_argument("--limit", type=int, default=20, help="prompts per dataset (with --sweep: per point)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"any of {', '.join(CONFIGS)}")
-    parser.add_argument("--ar-drafter", default=None, help="small causal LM with the target's tokenizer")
+    parser.add_argument("--ar-drafter", default=None, help="small causal LM with the target's tokenizer (or a name)")
+    parser.add_argument(
+        "--drafter-weights", default="auto", help="precision of model drafters: auto, same, bf16, int8, int4"
+    )
+    parser.add_argument("--llama-cpp", type=Path, default=None, help="folder of llama.cpp's binaries (llama-server)")
     parser.add_argument("--dflash-drafter", default=None, help="DFlash / DFlash2 drafter (z-lab format)")
     parser.add_argument("--ngram-block-size", type=int, default=None)
     parser.add_argument("--ar-block-size", type=int, default=None)
@@ -149,6 +191,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sweep.add_argument("--prompt-lengths", default="128,256,512,1024,2048", help="prompt tokens per point")
     sweep.add_argument("--block-sizes", default="4,8,12,16", help="block sizes of the --sweep-config drafter")
+    sweep.add_argument(
+        "--drafter-weights-list", default="same,bf16,int8,int4", help="precisions of the --sweep-config model drafter"
+    )
     parser.add_argument(
         "--predraft-ablation",
         default=None,
@@ -175,16 +220,14 @@ def main(args: argparse.Namespace) -> list[Row]:
         raise SystemExit("every row is checked against transformers plain greedy: add 'transformers' to --configs")
     if args.threads:
         torch.set_num_threads(args.threads)
-    source: Any = args.model
-    if source is None:
-        from dflash2.demo_model import smollm2_gguf
-
-        source = smollm2_gguf()
+    source: Any = _model_path(args.model or "smollm2-135m")
     model = load(source, device="cpu")
-    drafters = {"ngram": "ngram", "ar": args.ar_drafter, "dflash": args.dflash_drafter}
-    drafters["hybrid"] = ["ngram", args.dflash_drafter] if args.dflash_drafter else None
+    drafters = {"ngram": "ngram", "ar": _model_path(args.ar_drafter), "dflash": args.dflash_drafter}
+    # the hybrid: prompt lookup first, then the DFlash drafter (or else the small LM)
+    model_drafter, model_kind = (drafters["dflash"], "dflash") if args.dflash_drafter else (drafters["ar"], "ar")
+    drafters["hybrid"] = ["ngram", model_drafter] if model_drafter else None
     block_sizes = {"ngram": args.ngram_block_size, "ar": args.ar_block_size, "dflash": args.dflash_block_size}
-    block_sizes["hybrid"] = args.dflash_block_size
+    block_sizes["hybrid"] = block_sizes[model_kind]
     if args.sweep:
         return [p.row for p in sweep_main(args, model, source, drafters, block_sizes)]
     if args.concurrency:
@@ -194,15 +237,23 @@ def main(args: argparse.Namespace) -> list[Row]:
         curve_main(args, model, source)
         return []
     prompts: list[Prompt] = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
-    runners = build_runners(model, configs, drafters, block_sizes, args.schedule)
-    rows = run_matrix(
-        runners,
-        prompts,
-        encode=lambda prompt: encode_prompt(model.tokenizer, prompt),
-        max_new_tokens=args.max_new_tokens,
-        reference="transformers",
-        progress=not args.no_progress,
+    gguf = Path(str(source)) if str(source).endswith(".gguf") else None
+    runners = build_runners(
+        model, configs, drafters, block_sizes, args.schedule, args.drafter_weights, args.llama_cpp, gguf
     )
+    try:
+        rows = run_matrix(
+            runners,
+            prompts,
+            encode=lambda prompt: encode_prompt(model.tokenizer, prompt),
+            max_new_tokens=args.max_new_tokens,
+            reference="transformers",
+            progress=not args.no_progress,
+        )
+    finally:
+        for runner in runners:
+            if isinstance(runner, LlamaServerRunner):
+                runner.close()
     machine = machine_info()
     bandwidth = memory_bandwidth_gbps()
     weights = weight_bytes(model)
@@ -257,7 +308,9 @@ def sweep_main(
     if config not in CONFIGS or not config.startswith("dflash2-"):
         raise SystemExit(f"--sweep-config must be a drafted configuration (dflash2-KIND-PIPELINE), not {config!r}")
     _, kind, pipeline = config.split("-")
-    reference, plain, drafted = build_runners(model, ["transformers", "dflash2", config], drafters, block_sizes)
+    reference, plain, drafted = build_runners(
+        model, ["transformers", "dflash2", config], drafters, block_sizes, drafter_weights=args.drafter_weights
+    )
     assert isinstance(drafted, DFlash2Runner) and drafted.model.drafter is not None
     progress = not args.no_progress
     lengths = _ints(args.prompt_lengths)
@@ -269,15 +322,31 @@ def sweep_main(
         by_length = prompt_length_sweep(
             runners, model.tokenizer, texts, fits, args.limit, args.max_new_tokens, progress=progress
         )
+    prompts = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
     by_block: list[Point] = []
     if "block-size" in sweeps:
-        variants: dict[int, Runner] = {}
-        for size in _ints(args.block_sizes):  # whole blocks of each size: the sweep's question
-            sized = model.with_drafter(drafters[kind], size)
+        sizes = _ints(args.block_sizes)
+        variants: list[tuple[int, Runner]] = []
+        for size in sizes:  # whole blocks of each size: the sweep's question
+            sized = model.with_drafter(drafters[kind], size, args.drafter_weights)
             sized.lengths = DraftLengthPolicy(mode="fixed")
-            variants[size] = DFlash2Runner(sized, f"{config}@{size}", pipeline=pipeline)
-        prompts = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
-        by_block = block_size_sweep(reference, variants, model.tokenizer, prompts, args.max_new_tokens, progress)
+            variants.append((size, DFlash2Runner(sized, f"{config}@{size}", pipeline=pipeline)))
+        # beside them the draft-length policy, free to draft up to the largest block
+        chosen = model.with_drafter(drafters[kind], max(sizes), args.drafter_weights)
+        variants.append((max(sizes), DFlash2Runner(chosen, f"{config}@{max(sizes)}-auto", pipeline=pipeline)))
+        by_block = drafted_sweep(
+            "block-size", reference, variants, model.tokenizer, prompts, args.max_new_tokens, progress
+        )
+    by_weights: list[Point] = []
+    if "drafter-weights" in sweeps:
+        formats = [f.strip() for f in args.drafter_weights_list.split(",")]
+        weighted: list[tuple[int, Runner]] = []
+        for fmt in formats:
+            drafter = model.with_drafter(drafters[kind], block_sizes.get(kind), fmt)
+            weighted.append((WEIGHT_BITS[fmt], DFlash2Runner(drafter, f"{config}@{fmt}", pipeline=pipeline)))
+        by_weights = drafted_sweep(
+            "drafter-weights", reference, weighted, model.tokenizer, prompts, args.max_new_tokens, progress
+        )
 
     machine = machine_info()
     bandwidth = memory_bandwidth_gbps()
@@ -300,7 +369,7 @@ def sweep_main(
         "plain_decoding_limit_tokens_per_second": limit,
     }
     section = args.section or "sweep"
-    points = by_length + by_block
+    points = by_length + by_block + by_weights
     stamp = time.strftime("%Y%m%d-%H%M%S")
     json_path = write_sweep_json(args.out / f"{section}-{stamp}.json", machine, settings, points)
     image_dir = args.doc.parent / "images"
@@ -333,11 +402,22 @@ def sweep_main(
             "",
             "### Block size",
             "",
-            f"`{config}` at each block size on {args.datasets}; speedup is against transformers on the same prompts.",
+            f"`{config}` drafting whole blocks of each size, and (`-auto`) as far as the draft-length policy "
+            f"chooses, on {args.datasets}; speedup is against transformers on the same prompts.",
             "",
             block_size_table(by_block),
             "",
             f"![tokens per second and acceptance vs block size](images/{plot.name})",
+        ]
+    if by_weights:
+        body += [
+            "",
+            "### Drafter weights",
+            "",
+            f"`{config}` with its model drafter's weights in each precision (draft lengths chosen by the policy), "
+            f"on {args.datasets}.",
+            "",
+            drafter_weights_table(by_weights),
         ]
     body += ["", f"Raw results: `{json_path}`."]
     update_section(args.doc, section, "\n".join(body))
@@ -353,7 +433,7 @@ def concurrency_main(
     if bad := [c for c in configs if c not in CONFIGS or not c.startswith("dflash2")]:
         raise SystemExit(f"--concurrency-configs takes dflash2 configurations, not {', '.join(bad)}")
     streams = _ints(args.concurrency)
-    runners = build_runners(model, configs, drafters, block_sizes, args.schedule)
+    runners = build_runners(model, configs, drafters, block_sizes, args.schedule, args.drafter_weights)
     hf = _hf_model(model.checkpoint, model.dtype)
     levels: list[Level] = []
     for dataset in (d.strip() for d in args.datasets.split(",")):
@@ -461,6 +541,8 @@ def _cli_args(args: argparse.Namespace) -> list[str]:
     if args.sweep:
         out += [f"--sweep {args.sweep}", f"--sweep-config {args.sweep_config}"]
         out += [f"--prompt-lengths {args.prompt_lengths}", f"--block-sizes {args.block_sizes}"]
+        if "drafter-weights" in args.sweep:
+            out.append(f"--drafter-weights-list {args.drafter_weights_list}")
     elif args.training_curve:
         out.append(f"--training-curve {args.training_curve}")
     elif args.predraft_ablation:
@@ -471,6 +553,10 @@ def _cli_args(args: argparse.Namespace) -> list[str]:
         out.append(f"--configs {args.configs}")
     if args.schedule != "auto":
         out.append(f"--schedule {args.schedule}")
+    if args.drafter_weights != "auto":
+        out.append(f"--drafter-weights {args.drafter_weights}")
+    if args.llama_cpp:
+        out.append("--llama-cpp LLAMA_CPP_BIN")
     if args.model:
         out.insert(0, f"--model {args.model}")
     if args.threads:

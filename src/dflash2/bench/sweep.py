@@ -1,4 +1,5 @@
-"""Cost-growth sweeps: tokens/s vs prompt length, and tokens/s and acceptance vs block size.
+"""Sweeps: tokens/s vs prompt length; tokens/s and acceptance vs block size (whole blocks, and
+the draft-length policy's own choice beside them); and vs a model drafter's weight precision.
 
 Every point goes through :func:`run_matrix`, so each output is checked against transformers greedy.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from dflash2.bench.harness import Row, run_matrix
 from dflash2.bench.runners import Runner
 from dflash2.tokenize import encode_prompt
 
-SWEEPS = ("prompt-length", "block-size")
+SWEEPS = ("prompt-length", "block-size", "drafter-weights")
+WEIGHT_BITS = {"same": 32, "bf16": 16, "int8": 8, "int4": 4}  # "same" as an fp32 target
 REFERENCE = "transformers"
 
 
@@ -91,18 +93,20 @@ def prompt_length_sweep(
     return [Point("prompt-length", label[r.dataset], actual[r.dataset], r) for r in rows]
 
 
-def block_size_sweep(
+def drafted_sweep(
+    sweep: str,
     reference: Runner,
-    drafted: Mapping[int, Runner],
+    drafted: Sequence[tuple[int, Runner]],
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[Prompt],
     max_new_tokens: int,
     progress: bool = True,
 ) -> list[Point]:
-    """One drafted runner per block size, all on the same prompts; the reference's rows are left out."""
-    size = {runner.name: block_size for block_size, runner in drafted.items()}
+    """Drafted runners, each at its sweep value x (a block size, a drafter's weight bits), all on
+    the same prompts, interleaved; the reference's rows are left out."""
+    size = {runner.name: x for x, runner in drafted}
     rows = run_matrix(
-        [reference, *drafted.values()],
+        [reference, *(runner for _, runner in drafted)],
         prompts,
         encode=lambda prompt: encode_prompt(tokenizer, prompt),
         max_new_tokens=max_new_tokens,
@@ -110,7 +114,7 @@ def block_size_sweep(
         progress=progress,
     )
     actual = _mean_prompt_tokens(tokenizer, prompts)
-    return [Point("block-size", size[r.config], actual[r.dataset], r) for r in rows if r.config in size]
+    return [Point(sweep, size[r.config], actual[r.dataset], r) for r in rows if r.config in size]
 
 
 def write_sweep_json(path: Path, machine: dict[str, Any], settings: dict[str, Any], points: Sequence[Point]) -> Path:
@@ -146,14 +150,30 @@ def prompt_length_table(points: Sequence[Point]) -> str:
 def block_size_table(points: Sequence[Point]) -> str:
     lines = [
         "| dataset | block size | configuration | tokens/s | speedup vs transformers | tokens per target forward "
-        "| identical |",
-        "|---|---:|---|---:|---:|---:|---|",
+        "| draft tokens per step | identical |",
+        "|---|---:|---|---:|---:|---:|---:|---|",
     ]
     for p in points:
         r = p.row
         lines.append(
             f"| {r.dataset} | {p.x} | {r.config} | {r.tokens_per_second:.1f} | {r.speedup:.2f}× "
-            f"| {_fmt(r.mean_acceptance_length, '.2f')} | {_identical(r)} |"
+            f"| {_fmt(r.mean_acceptance_length, '.2f')} | {_fmt(r.drafted_per_step, '.2f')} | {_identical(r)} |"
+        )
+    return "\n".join(lines)
+
+
+def drafter_weights_table(points: Sequence[Point]) -> str:
+    bits = {b: name for name, b in WEIGHT_BITS.items()} | {32: "fp32 (same as the target)"}
+    lines = [
+        "| dataset | drafter weights | tokens/s | speedup vs transformers | tokens per target forward "
+        "| ms per draft token | identical |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for p in points:
+        r = p.row
+        lines.append(
+            f"| {r.dataset} | {bits.get(p.x, p.x)} | {r.tokens_per_second:.1f} | {r.speedup:.2f}× "
+            f"| {_fmt(r.mean_acceptance_length, '.2f')} | {_fmt(r.draft_ms_per_token, '.1f')} | {_identical(r)} |"
         )
     return "\n".join(lines)
 

@@ -28,6 +28,7 @@ from dflash2.runtime.loader import (
     resolve_checkpoint,
 )
 from dflash2.runtime.model import Decoder
+from dflash2.runtime.quant import WeightFormat, check_weight_format, int4_available, quantize_linears
 
 __all__ = [
     "AutoregressiveDrafter",
@@ -58,13 +59,16 @@ def load_drafter(
     target: Decoder,
     tokenizer: PreTrainedTokenizerBase,
     block_size: int | None = None,
+    weights: str = "auto",
 ) -> Drafter | None:
+    """The drafter ``drafter`` names, for ``target``; ``weights``: see :func:`draft_weights`."""
+    fmt = draft_weights(weights, target.device)
     if drafter is None:
         return None
     if isinstance(drafter, str) and drafter == "ngram":
         return NGramDrafter() if block_size is None else NGramDrafter(block_size=block_size)
     if isinstance(drafter, (list, tuple)):
-        return _hybrid(drafter, target, tokenizer, block_size)
+        return _hybrid(drafter, target, tokenizer, block_size, weights)
     if not isinstance(drafter, (str, os.PathLike)):
         if isinstance(drafter, Drafter):
             return drafter
@@ -77,9 +81,13 @@ def load_drafter(
     if DFlashSpec.is_dflash_config(raw):
         tensors = load_safetensors(checkpoint)
         vocab = read_draft_vocab(checkpoint)
-        return load_dflash_drafter(raw, tensors, target, block_size=block_size, name=name, vocab=vocab)
+        dflash = load_dflash_drafter(raw, tensors, target, block_size=block_size, name=name, vocab=vocab)
+        if weights != "auto":
+            dflash.quantize(fmt)
+        return dflash
     draft_model = load_decoder(checkpoint, target.dtype, target.device)
     check_same_tokenizer(tokenizer, load_tokenizer(checkpoint))
+    quantize_linears(draft_model, fmt)
     return AutoregressiveDrafter(
         draft_model,
         target.spec.vocab_size,
@@ -88,8 +96,26 @@ def load_drafter(
     )
 
 
+def draft_weights(weights: str, device: object) -> WeightFormat:
+    """The weight format a model drafter runs in: ``weights`` itself, or for ``"auto"`` the
+    cheapest that keeps a drafter's agreement: int4 on the CPU (``"bf16"`` where the int4 kernel
+    is missing), and on other devices the target's own precision (``"same"``: no conversion).
+
+    A drafter's precision only changes how often its tokens are accepted, never the output.
+    DFlash drafters keep the target's precision under ``"auto"`` (their cost is the shared LM head).
+    """
+    if weights == "auto":
+        cpu = getattr(device, "type", None) == "cpu"
+        return ("int4" if int4_available(device) else "bf16") if cpu else "same"  # type: ignore[arg-type]
+    return check_weight_format(weights, "drafter_weights")
+
+
 def _hybrid(
-    spec: list[Any] | tuple[Any, ...], target: Decoder, tokenizer: PreTrainedTokenizerBase, block_size: int | None
+    spec: list[Any] | tuple[Any, ...],
+    target: Decoder,
+    tokenizer: PreTrainedTokenizerBase,
+    block_size: int | None,
+    weights: str,
 ) -> HybridDrafter:
     """``["ngram" or an NGramDrafter, <model drafter>]`` -> a ``HybridDrafter``."""
     usage = (
@@ -97,7 +123,7 @@ def _hybrid(
     )
     if len(spec) != 2 or not (spec[0] == "ngram" or isinstance(spec[0], NGramDrafter)):
         raise DrafterError(usage)
-    model = load_drafter(spec[1], target, tokenizer, block_size)
+    model = load_drafter(spec[1], target, tokenizer, block_size, weights)
     if model is None or isinstance(model, (NGramDrafter, HybridDrafter)):
         raise DrafterError(usage)
     lookup = HybridDrafter.default_lookup() if spec[0] == "ngram" else spec[0]

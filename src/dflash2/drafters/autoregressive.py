@@ -1,8 +1,12 @@
 """A small causal LM with the target's tokenizer drafts k tokens one at a time.
 
-It runs on the same runtime as the target, with its own KV cache per request. Under sampling
-each draft token is sampled from the drafter's distribution after the request's temperature /
-top-k / top-p transform, and that distribution travels with the draft for lossless acceptance.
+It runs on the same runtime as the target, with its own KV cache per request, in whatever
+weights it was loaded with (int4 by default on the CPU: its precision changes how often its
+tokens are accepted, never the output). Under sampling each draft token is sampled from the
+drafter's distribution after the request's temperature / top-k / top-p transform, and that
+distribution travels with the draft for lossless acceptance. After each token the session asks
+the engine whether another one pays (``DraftContext.keep_drafting``), telling it how sure the
+drafter was of the token.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class AutoregressiveSession:
         self._model = drafter.model
         self._sampling = context.sampling
         self._generator = context.generator
+        self._keep_drafting = context.keep_drafting
         capacity = context.max_tokens + 2 * drafter.block_size
         self._slot: Slot | None = drafter.steps.acquire(capacity) if drafter.steps is not None else None
         self._cache: KVCache | None = self._slot.cache if self._slot is not None else self._model.new_cache(capacity)
@@ -100,8 +105,12 @@ class AutoregressiveSession:
         self._cached.extend(tokens)
         return self._fit_vocab(last)
 
-    def _draft_after(self, context: list[int], count: int) -> tuple[list[int], list[torch.Tensor]]:
-        """Draft ``count`` tokens continuing ``context`` (its last token included)."""
+    def _draft_after(
+        self, context: list[int], count: int, stop_early: bool = False
+    ) -> tuple[list[int], list[torch.Tensor], list[float]]:
+        """Draft up to ``count`` tokens continuing ``context`` (its last token included); with
+        ``stop_early`` fewer when the engine says another token does not pay. Returns the tokens,
+        their distributions (sampling only) and the drafter's probability of each."""
         assert self._cache is not None
         common = 0
         limit = min(len(self._cached), len(context) - 1)  # the last token must be fed to get logits
@@ -112,27 +121,32 @@ class AutoregressiveSession:
         logits = self._feed(context[common:])
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
+        sure: list[float] = []
+        keep = self._keep_drafting if stop_early else None
         for i in range(count):
             if self._sampling.greedy:
                 token = int(logits.argmax())
+                sure.append(float(torch.softmax(logits.float(), -1)[token]))
             else:
                 q = probabilities(logits, self._sampling)
                 token = int(sample(q, self._generator))
                 rows.append(q)
+                sure.append(float(q[token]))
             tokens.append(token)
-            if i + 1 < count:
-                logits = self._feed([token])
-        return tokens, rows
+            if i + 1 == count or (keep is not None and not keep(i + 1, sure[-1])):
+                break
+            logits = self._feed([token])
+        return tokens, rows, sure
 
     @staticmethod
-    def _as_draft(tokens: list[int], rows: list[torch.Tensor]) -> Draft:
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(rows) if rows else None)
+    def _as_draft(tokens: list[int], rows: list[torch.Tensor], sure: list[float]) -> Draft:
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(rows) if rows else None, tuple(sure))
 
     def propose(self, max_tokens: int) -> Draft:
         k = min(self._d.block_size - 1, max_tokens)
-        tokens, rows = self._draft_after(self._seq, k) if k > 0 else ([], [])
+        tokens, rows, sure = self._draft_after(self._seq, k, stop_early=True) if k > 0 else ([], [], [])
         self._proposal = tokens
-        return self._as_draft(tokens, rows)
+        return self._as_draft(tokens, rows, sure)
 
     def can_predraft(self) -> bool:
         return bool(self._proposal)
@@ -143,12 +157,12 @@ class AutoregressiveSession:
         if not self._proposal or k <= 0:
             return None
         hypothesis = self._seq + self._proposal
-        guess, _ = self._draft_after(hypothesis, 1) if self._sampling.greedy else self._greedy_guess(hypothesis)
-        tokens, rows = self._draft_after([*hypothesis, guess[0]], k)
-        self._pre = PreDraft(guess[0], self._as_draft(tokens, rows))
+        guess = self._draft_after(hypothesis, 1) if self._sampling.greedy else self._greedy_guess(hypothesis)
+        tokens, rows, sure = self._draft_after([*hypothesis, guess[0][0]], k)
+        self._pre = PreDraft(guess[0][0], self._as_draft(tokens, rows, sure))
         return self._pre
 
-    def _greedy_guess(self, context: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    def _greedy_guess(self, context: list[int]) -> tuple[list[int], list[torch.Tensor], list[float]]:
         """Under sampling the bonus is drawn from the target; guess its most likely value."""
         saved, self._sampling = self._sampling, SamplingConfig()
         try:

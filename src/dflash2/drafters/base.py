@@ -8,7 +8,7 @@ Sessions that also implement ``PreDrafting`` can draft the next block while one 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -24,11 +24,14 @@ class Draft:
 
     ``tokens`` [k] ids; ``probs`` [k, vocab] the distribution each token was sampled from
     (after the request's temperature / top-k / top-p), or ``None`` for a deterministic draft
-    (greedy decoding, n-gram lookup).
+    (greedy decoding, n-gram lookup). ``confidence``: the drafter's probability of each token,
+    where it knows one (the draft-length policy learns how often tokens of each confidence are
+    accepted).
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
+    confidence: tuple[float, ...] = ()
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -64,6 +67,9 @@ class DraftContext:
     sampling: SamplingConfig
     generator: torch.Generator | None
     max_tokens: int  # prompt + everything that may be generated: size caches by it
+    # a drafter that drafts token by token asks after each token (the count so far, the drafter's
+    # probability of the last) whether another one pays; ``None``: draft as many as asked
+    keep_drafting: Callable[[int, float], bool] | None = None
 
 
 class DraftSession(Protocol):
@@ -102,6 +108,19 @@ def drafter_context(drafter: Drafter) -> int | None:
     """Prompt + new tokens ``drafter`` can draft for: its optional ``max_context`` (``None``: no limit)."""
     limit = getattr(drafter, "max_context", None)
     return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
+MODEL_SOURCE = "model"  # the source of a drafter that has one
+
+
+@runtime_checkable
+class MixedDrafting(Protocol):
+    """Sessions that draft from several sources (prompt lookup, a model), each with its own cost and
+    acceptance: the engine asks which one drafts next before deciding how far to draft."""
+
+    def next_source(self, max_tokens: int) -> str:
+        """The source of the next proposal of at most ``max_tokens`` tokens (a short name)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from dflash2.runtime.graphs import (
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.linear import Linear, pack_linears
 from dflash2.runtime.model import MLP, Decoder, RotaryTable, apply_rope, attend, rms_norm
+from dflash2.runtime.quant import WeightFormat, quantize_linear, quantize_linears
 from dflash2.runtime.spec import ModelSpec, rope_frequencies, rope_parameters_of
 from dflash2.sampling import probabilities, sample
 
@@ -650,6 +651,13 @@ class DFlashDrafter:
         if isinstance(self.head, Linear) and self.head is not target.lm_head:
             self.head.pack()
         self.steps: DFlashPool | None = None
+
+    def quantize(self, fmt: WeightFormat) -> None:
+        """Run the drafter's own layers (and its own drafting-vocabulary head) in ``fmt``; the
+        target's LM head, when shared, stays as it is. Call before its first session."""
+        quantize_linears(self.model, fmt)
+        if isinstance(self.head, Linear) and self.head is not self.target.lm_head:
+            self.head = quantize_linear(self.head, fmt)
 
     def use_static_steps(self, mode: StepMode, context: int, slots: int) -> None:
         self.steps = DFlashPool(self, mode, context, slots)

@@ -5,6 +5,8 @@ drafts for free and often in full; elsewhere a trained drafter does better. ``Hy
 asks its lookup first and uses the match when there is one (``lookup.min_ngram`` tokens of
 suffix must match), else the model drafter's block. Both follow the verified text through
 every outcome, whoever drafted; the model drafter's pre-drafting is used after its own blocks.
+The engine measures the two sources apart (``MixedDrafting``): a lookup's drafts cost nothing
+and are right or wrong in long runs, a model's cost a forward or several.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dflash2.drafters.base import (
+    MODEL_SOURCE,
     BatchDrafting,
     Draft,
     DraftContext,
@@ -24,7 +27,7 @@ from dflash2.drafters.base import (
     StaticStepping,
     drafter_context,
 )
-from dflash2.drafters.ngram import NGramDrafter
+from dflash2.drafters.ngram import NGramDrafter, NGramSession
 from dflash2.errors import DrafterError
 from dflash2.runtime.graphs import StepMode
 
@@ -96,14 +99,20 @@ class HybridDrafter:
         return [drafts[i] for i in range(len(mine))]
 
 
+LOOKUP_SOURCE = "lookup"
+
+
 class HybridSession:
-    def __init__(self, lookup: DraftSession, model: DraftSession, model_block: int) -> None:
+    def __init__(self, lookup: NGramSession, model: DraftSession, model_block: int) -> None:
         self._lookup = lookup
         self._model = model
         self._model_block = model_block
         self._from_model = False  # whether the current proposal is the model's
         self._proposed = 0
         self._pre: PreDraft | None = None
+
+    def next_source(self, max_tokens: int) -> str:
+        return LOOKUP_SOURCE if max_tokens > 0 and self._lookup.finds() else MODEL_SOURCE
 
     def propose(self, max_tokens: int) -> Draft:
         found = self.look_up(max_tokens)

@@ -76,6 +76,10 @@ class NGramSession:
                 return where
         return None
 
+    def finds(self) -> bool:
+        """Whether the current suffix occurred before (a proposal would draft something)."""
+        return self._lookup() is not None
+
     def propose(self, max_tokens: int) -> Draft:
         limit = min(self._limit, max_tokens)
         where = self._lookup() if limit > 0 else None

@@ -3,19 +3,29 @@
 A step that drafts k tokens verifies k + 1 and emits the accepted drafts plus one token. If
 ``p[j]`` is the chance that draft j + 1 is right given that the ones before it were, the step
 yields ``1 + sum_{i<k} prod_{j<=i} p[j]`` tokens on average; it costs the target's forward over
-k + 1 tokens plus the drafting. So the policy keeps three measurements, all running means:
+k + 1 tokens plus the drafting. So the policy keeps these measurements, all running means:
 
 - acceptance by position, counted per request and started from the model's running totals
   (a new request trusts the model's history as much as a few steps of its own);
 - the target's forward time by block length, measured on this device when a drafter is set and
   kept current by every serial step;
-- the drafter's time by draft length;
+- the drafter's time as a line in the draft length (fixed + per token: one forward for a block
+  drafter, one per token for an autoregressive one), timed at load and by every draft;
 - for steps that share a packed forward with other streams (``engine.batch``), a line fitted per
   batch size B: seconds = fixed_B + per_token_B * tokens. A stream's step in such a batch costs its
   share of the fixed part plus its own rows, fixed_B / B + per_token_B * (k + 1) + drafting, so the
-  more streams share a forward the less a draft has to save to pay for its rows.
+  more streams share a forward the less a draft has to save to pay for its rows;
 
 and drafts ``argmax_k yield(k) / cost(k)`` tokens, with k = 0 a plain step that drafts nothing.
+A drafter made of several (prompt lookup, then a model) keeps one set of drafting measurements
+per source, since a lookup's drafts are free and right or wrong in long runs.
+
+Drafters that draft token by token also report how sure they are of each token; for them the
+step does not stop at a length fixed in advance: after each token the drafter asks
+:meth:`DraftLength.keep_drafting`, which maps its confidence to a chance of acceptance (learnt
+per source from outcomes, by confidence bin) and drafts on while one more token is expected to
+raise the step's tokens per second.
+
 When drafting stops paying the policy still tries a draft now and then, after a wait that doubles
 while drafting keeps losing, so a request whose text turns repetitive is noticed. Output never
 depends on k (each step is lossless whatever its length); seeded sampling requests keep the
@@ -24,17 +34,20 @@ full length, so that a seed gives the same tokens whatever the timing.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dflash2.drafters.base import MODEL_SOURCE as SOURCE
 from dflash2.errors import InvalidOptionError
 
 LengthMode = Literal["auto", "fixed"]
 DECAY = 0.98  # the model's acceptance totals forget old requests slowly
 EMA = 0.25  # weight of a new timing in a running mean
-MIN_SPREAD = 1.0  # variance of the token counts (tokens²) a packed-forward line needs before it is used
+MIN_SPREAD = 1.0  # variance of the token counts (tokens²) a fitted line needs before it is used
+CONFIDENCE_BINS = (0.2, 0.4, 0.6, 0.75, 0.85, 0.92, 0.97, 0.99)  # upper edges; a last bin up to 1
 
 
 def expected_yield(accept: Sequence[float], k: int) -> float:
@@ -79,6 +92,16 @@ def best_length(accept: Sequence[float], cost: Sequence[float], limit: int, lowe
     return best
 
 
+def worth_another(yielded: float, reach: float, chance: float, cost_now: float, cost_next: float) -> bool:
+    """Whether drafting one more token raises a step's expected tokens per second.
+
+    The step so far is expected to yield ``yielded`` tokens for ``cost_now`` seconds, its last
+    draft is reached (every draft before it right) with probability ``reach``, and the next draft
+    would be right with probability ``chance`` and make the step cost ``cost_next``.
+    """
+    return (yielded + reach * chance) * cost_now > yielded * cost_next
+
+
 class _Means:
     """Running means of seconds by length; a length never measured takes its nearest measured neighbour's."""
 
@@ -101,6 +124,54 @@ class _Means:
         return dict(self._seconds)
 
 
+class _Confidence:
+    """Acceptance by the drafter's confidence in its token (decayed counts per bin). A bin with few
+    outcomes leans on the source's acceptance over every bin, and that, while it has few outcomes
+    itself, on the confidence: as if the drafter were calibrated until it shows otherwise."""
+
+    def __init__(self) -> None:
+        self._right = [0.0] * (len(CONFIDENCE_BINS) + 1)
+        self._seen = [0.0] * (len(CONFIDENCE_BINS) + 1)
+        self._all_right = self._all_seen = 0.0
+
+    def record(self, confidence: float, right: bool) -> None:
+        i = bisect.bisect_left(CONFIDENCE_BINS, confidence)
+        self._right[i] = DECAY * self._right[i] + right
+        self._seen[i] = DECAY * self._seen[i] + 1
+        self._all_right = DECAY * self._all_right + right
+        self._all_seen = DECAY * self._all_seen + 1
+
+    def chance(self, confidence: float, weight: float) -> float:
+        i = bisect.bisect_left(CONFIDENCE_BINS, confidence)
+        overall = (self._all_right + weight * confidence) / (self._all_seen + weight)
+        return (self._right[i] + weight * overall) / (self._seen[i] + weight)
+
+    def known(self) -> dict[float, float]:
+        edges = (*CONFIDENCE_BINS, 1.0)
+        return {edges[i]: self._right[i] / self._seen[i] for i in range(len(edges)) if self._seen[i] > 0}
+
+
+@dataclass
+class _Source:
+    """What one drafting source measured: its cost by draft length and acceptance by position / confidence."""
+
+    line: _Line = field(default_factory=_Line)
+    means: _Means = field(default_factory=_Means)
+    accepted: list[float] = field(default_factory=list)  # by position, decayed
+    tried: list[float] = field(default_factory=list)
+    confidence: _Confidence = field(default_factory=_Confidence)
+    confident: bool = False  # its drafts report confidence: it asks keep_drafting token by token
+
+    def seconds(self, k: int) -> float:
+        """Seconds to draft ``k`` tokens (0 while nothing was timed)."""
+        if k == 0:
+            return 0.0
+        line = self.line.fit()
+        if line is not None:
+            return line[0] + line[1] * k
+        return self.means.at(k) or 0.0
+
+
 @dataclass
 class DraftLengthPolicy:
     """The model's side: forward and drafting times, acceptance totals; :meth:`start` gives a request's side.
@@ -113,10 +184,8 @@ class DraftLengthPolicy:
     recheck_every: int = 8  # plain steps before a draft is tried again ...
     max_recheck_every: int = 512  # ... doubling while drafting keeps losing, up to this many
     _verify: _Means = field(default_factory=_Means)
-    _draft: _Means = field(default_factory=_Means)
     _packed: dict[int, _Line] = field(default_factory=dict)  # by batch size
-    _accepted: list[float] = field(default_factory=list)  # by position, decayed
-    _tried: list[float] = field(default_factory=list)
+    _sources: dict[str, _Source] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -133,6 +202,9 @@ class DraftLengthPolicy:
         """A request's policy; ``fixed`` (seeded sampling) keeps the full length."""
         return DraftLength(self, fixed or self.mode == "fixed")
 
+    def _source(self, source: str) -> _Source:
+        return self._sources.setdefault(source, _Source())
+
     def record_verify(self, tokens: int, seconds: float) -> None:
         """A target step (forward + acceptance) over ``tokens`` tokens took ``seconds``."""
         with self._lock:
@@ -143,22 +215,43 @@ class DraftLengthPolicy:
         with self._lock:
             self._packed.setdefault(rows, _Line()).record(tokens, seconds)
 
-    def record_draft(self, tokens: int, seconds: float) -> None:
+    def record_draft(self, tokens: int, seconds: float, source: str = SOURCE) -> None:
+        """``source`` drafted ``tokens`` tokens in ``seconds``."""
         with self._lock:
-            self._draft.record(tokens, seconds)
+            measured = self._source(source)
+            measured.line.record(tokens, seconds)
+            measured.means.record(tokens, seconds)
 
-    def record_outcome(self, proposed: int, accepted: int) -> None:
+    def record_outcome(
+        self, proposed: int, accepted: int, source: str = SOURCE, confidence: Sequence[float] = ()
+    ) -> None:
+        """``accepted`` of ``proposed`` drafts of ``source`` were right; ``confidence``: the
+        drafter's, per draft token, when it reports it."""
         with self._lock:
-            _count(self._accepted, self._tried, proposed, accepted, DECAY)
+            measured = self._source(source)
+            _count(measured.accepted, measured.tried, proposed, accepted, DECAY)
+            measured.confident = measured.confident or bool(confidence)
+            for i, sure in enumerate(confidence[: accepted + 1]):
+                measured.confidence.record(sure, i < accepted)
 
-    def prior(self, length: int) -> list[float]:
+    def prior(self, length: int, source: str = SOURCE) -> list[float]:
         """The model's acceptance rate by position (Laplace-smoothed: 1/2 where nothing was seen)."""
         with self._lock:
-            return [
-                (self._accepted[i] + 1) / (self._tried[i] + 2) if i < len(self._tried) else 0.5 for i in range(length)
-            ]
+            measured = self._source(source)
+            a, n = measured.accepted, measured.tried
+            return [(a[i] + 1) / (n[i] + 2) if i < len(n) else 0.5 for i in range(length)]
 
-    def costs(self, limit: int, batch: int = 1) -> list[float] | None:
+    def chance(self, confidence: float, source: str = SOURCE) -> float:
+        """How likely a draft token the drafter is ``confidence`` sure of is right (learnt by bin)."""
+        with self._lock:
+            return self._source(source).confidence.chance(confidence, self.prior_weight)
+
+    def confident(self, source: str = SOURCE) -> bool:
+        """Whether ``source`` reports its confidence per token (then :meth:`DraftLength.keep_drafting` stops it)."""
+        with self._lock:
+            return self._source(source).confident
+
+    def costs(self, limit: int, batch: int = 1, source: str = SOURCE) -> list[float] | None:
         """Seconds of a step drafting k = 0 .. ``limit`` tokens, or ``None`` before any forward was timed.
 
         ``batch`` > 1: the step's share of a packed forward of that many streams, once that batch
@@ -167,7 +260,8 @@ class DraftLengthPolicy:
             line = self._packed[batch].fit() if batch > 1 and batch in self._packed else None
             if line is None and self._verify.at(1) is None:
                 return None
-            draft = [0.0] + [self._draft.at(k) or 0.0 for k in range(1, limit + 1)]
+            measured = self._source(source)
+            draft = [measured.seconds(k) for k in range(limit + 1)]
             if line is not None:
                 fixed, per_token = line
                 return [fixed / batch + per_token * (k + 1) + draft[k] for k in range(limit + 1)]
@@ -178,9 +272,10 @@ class DraftLengthPolicy:
             lines = {b: line.fit() for b, line in self._packed.items()}
             packed = {b: fit[0] for b, fit in lines.items() if fit is not None}
             per_token = {b: fit[1] for b, fit in lines.items() if fit is not None}
+            drafting = self._sources.get(SOURCE, _Source())
             return {
                 "verify_s": self._verify.known(),
-                "draft_s": self._draft.known(),
+                "draft_s": {k: drafting.seconds(k) for k in drafting.means.known()},
                 "packed_fixed_s": packed,
                 "packed_per_token_s": per_token,
             }
@@ -207,32 +302,40 @@ class DraftLength:
     def __init__(self, policy: DraftLengthPolicy, fixed: bool) -> None:
         self.policy = policy
         self.fixed = fixed
-        self._accepted: list[float] = []
-        self._tried: list[float] = []
+        self._own: dict[str, tuple[list[float], list[float]]] = {}  # by source: accepted, tried
         self._plain_steps = 0  # in a row, chosen because drafting did not pay
         self._wait = policy.recheck_every
         self.chosen: list[int] = []  # every length chosen (for stats and tests)
+        # the step being drafted: its source, costs by length, expected yield so far and reach
+        self.source = SOURCE
+        self._costs: list[float] | None = None
+        self._yielded = self._reach = 1.0
 
-    def accept_rates(self, length: int) -> list[float]:
-        prior, w = self.policy.prior(length), self.policy.prior_weight
-        own = [(self._accepted[i], self._tried[i]) if i < len(self._tried) else (0.0, 0.0) for i in range(length)]
+    def accept_rates(self, length: int, source: str = SOURCE) -> list[float]:
+        prior, w = self.policy.prior(length, source), self.policy.prior_weight
+        accepted, tried = self._own.get(source, ([], []))
+        own = [(accepted[i], tried[i]) if i < len(tried) else (0.0, 0.0) for i in range(length)]
         return [(a + w * p) / (n + w) for (a, n), p in zip(own, prior, strict=True)]
 
-    def choose(self, limit: int, batch: int = 1) -> int:
-        """Tokens to draft now, at most ``limit``; ``batch``: the streams whose steps share this forward."""
-        k = self._choose(limit, batch) if limit > 0 else 0
+    def choose(self, limit: int, batch: int = 1, source: str = SOURCE) -> int:
+        """Tokens to draft now, at most ``limit``; ``batch``: the streams whose steps share this
+        forward; ``source``: which of the drafter's sources drafts this step. A drafter that
+        consults :meth:`keep_drafting` may go on past the returned length, up to ``limit``."""
+        self.source, self._yielded, self._reach = source, 1.0, 1.0
+        self._costs = self.policy.costs(limit, batch, source) if limit > 0 else None
+        k = self._choose(limit) if limit > 0 else 0
         self.chosen.append(k)
         return k
 
-    def _choose(self, limit: int, batch: int) -> int:
-        costs = self.policy.costs(limit, batch)
+    def _choose(self, limit: int) -> int:
+        costs = self._costs
         if self.fixed or costs is None:
             return limit
-        accept = self.accept_rates(limit)
+        accept = self.accept_rates(limit, self.source)
         k = best_length(accept, costs, limit)
         if k > 0:
             self._plain_steps, self._wait = 0, self.policy.recheck_every
-            return k
+            return limit if self.policy.confident(self.source) else k  # then keep_drafting decides
         self._plain_steps += 1
         if self._plain_steps < self._wait:
             return 0
@@ -241,7 +344,22 @@ class DraftLength:
         self._wait = min(2 * self._wait, self.policy.max_recheck_every)
         return best_length(accept, costs, limit, lowest=1)
 
-    def record_outcome(self, proposed: int, accepted: int) -> None:
+    def keep_drafting(self, drafted: int, confidence: float) -> bool:
+        """Whether to draft token ``drafted + 1`` of this step, the ``drafted``-th having been
+        drafted with probability ``confidence`` (the drafter's own). Expects the next token to be
+        as likely right as this one; never stops a seeded sample (see the module docstring)."""
+        costs = self._costs
+        if self.fixed or costs is None:
+            return True
+        if drafted + 1 >= len(costs):
+            return False
+        chance = self.policy.chance(confidence, self.source)
+        self._reach *= chance
+        self._yielded += self._reach
+        return worth_another(self._yielded, self._reach, chance, costs[drafted], costs[drafted + 1])
+
+    def record_outcome(self, proposed: int, accepted: int, confidence: Sequence[float] = ()) -> None:
         if proposed > 0:
-            _count(self._accepted, self._tried, proposed, accepted)
-            self.policy.record_outcome(proposed, accepted)
+            own = self._own.setdefault(self.source, ([], []))
+            _count(own[0], own[1], proposed, accepted)
+            self.policy.record_outcome(proposed, accepted, self.source, confidence)

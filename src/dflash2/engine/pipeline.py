@@ -124,7 +124,7 @@ class AsyncPipeline:
         emitted, outcome = settled
         pre: PreDraft | None = p.value
         if pre is not None and pre.matches(outcome, len(draft)):
-            self._ready = Draft(pre.draft.tokens.to(r.target.device), pre.draft.probs)
+            self._ready = Draft(pre.draft.tokens.to(r.target.device), pre.draft.probs, pre.draft.confidence)
             self.counters.predraft_hits += 1
         return list(emitted)
 

@@ -30,7 +30,7 @@ from typing import TypeVar
 import torch
 
 from dflash2.config import GenerationConfig, SamplingConfig
-from dflash2.drafters.base import Draft, DraftContext, Drafter, DraftSession, Outcome
+from dflash2.drafters.base import MODEL_SOURCE, Draft, DraftContext, Drafter, DraftSession, MixedDrafting, Outcome
 from dflash2.engine.draft_length import DraftLength
 from dflash2.runtime.graphs import DecoderPool, Slot
 from dflash2.runtime.kv_cache import KVCache
@@ -174,6 +174,7 @@ class Request:
                     sampling=self.sampling,
                     generator=make_generator(self.sampling, self.target.device, offset=1),
                     max_tokens=self.capacity,
+                    keep_drafting=self.lengths.keep_drafting if self.lengths is not None else None,
                 )
             )
             self.counters.draft_s += time.perf_counter() - start
@@ -204,7 +205,10 @@ class Request:
         limit = self.draft_limit
         if self.session is None or limit <= 0:
             return None
-        return self.lengths.choose(limit, batch) if self.lengths is not None else limit
+        if self.lengths is None:
+            return limit
+        source = self.session.next_source(limit) if isinstance(self.session, MixedDrafting) else MODEL_SOURCE
+        return self.lengths.choose(limit, batch, source)
 
     def no_draft(self) -> Draft:
         return Draft(torch.zeros(0, dtype=torch.long, device=self.target.device))
@@ -213,8 +217,8 @@ class Request:
         """Count a draft the session made in ``seconds`` and move it to the target's device."""
         self.counters.draft_s += seconds
         if self.lengths is not None and len(draft) > 0:
-            self.lengths.policy.record_draft(len(draft), seconds)
-        return Draft(draft.tokens.to(self.target.device), draft.probs)
+            self.lengths.policy.record_draft(len(draft), seconds, self.lengths.source)
+        return Draft(draft.tokens.to(self.target.device), draft.probs, draft.confidence)
 
     def block(self, draft: Draft) -> torch.Tensor:
         """The tokens [1 + k] a verify forward runs: the last emitted token, then the draft."""
@@ -253,10 +257,11 @@ class Request:
         if self.session is not None:
             self.session.observe(outcome)
         if self.lengths is not None:
-            self.lengths.record_outcome(len(draft), accepted)
+            self.lengths.record_outcome(len(draft), accepted, draft.confidence)
         self.last = token
         self.generated += len(emitted)
         self.counters.steps += 1
+        self.counters.drafted_tokens += len(draft)
         self.counters.acceptance_lengths.append(len(emitted))
         self.counters.batch_sizes.append(batch_size)
         self.counters.verify_s += time.perf_counter() - start

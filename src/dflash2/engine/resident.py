@@ -167,6 +167,7 @@ class ResidentPipeline:
         c.wait_s += draft_s  # the verifier waits for every draft: they run in turn on one stream
         c.verify_s += verify_s
         c.steps += 1
+        c.drafted_tokens += len(block) - 1
         c.acceptance_lengths.append(len(emitted))
         c.batch_sizes.append(1)
         self._accepted = accepted

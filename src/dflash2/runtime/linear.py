@@ -39,27 +39,39 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._packed: torch.Tensor | None = None
+        self._released = False  # the plain weight is gone: only the packed copy computes
 
-    def pack(self) -> None:
-        """Pre-pack the weight (a snapshot: call again after changing it); no-op where unsupported."""
+    def pack(self, release: bool = False) -> None:
+        """Pre-pack the weight (a snapshot: call again after changing it); no-op where unsupported.
+
+        ``release``: drop the plain weight (its shape stays, on the meta device), for layers that
+        only ever run inference and whose weight nothing else reads."""
         if packing_available(self.weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_ROWS)
-
-    def unpack(self) -> None:
-        self._packed = None
+            if release:
+                self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
+                self._released = True
 
     @property
     def packed(self) -> bool:
         return self._packed is not None
 
+    @property
+    def packed_weight(self) -> torch.Tensor:
+        """The pre-packed weight the layer computes with (after :meth:`pack`)."""
+        if self._packed is None:
+            raise ValueError("this layer is not packed")
+        return self._packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None and not torch.is_grad_enabled() and x.dtype == torch.float32:
+        if self._packed is not None and x.dtype == torch.float32 and (self._released or not torch.is_grad_enabled()):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(module: nn.Module) -> None:
-    """Pre-pack every :class:`Linear` inside ``module``."""
+def pack_linears(module: nn.Module, release: bool = False, keep: tuple[nn.Module, ...] = ()) -> None:
+    """Pre-pack every :class:`Linear` inside ``module``; ``release`` drops their plain weights,
+    except those of the layers in ``keep``."""
     for child in module.modules():
         if isinstance(child, Linear):
-            child.pack()
+            child.pack(release and not any(child is k for k in keep))

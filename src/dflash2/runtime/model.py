@@ -235,8 +235,9 @@ class Decoder(nn.Module):
         return self.embed_tokens(input_ids)
 
     def pack(self) -> None:
-        """Pre-pack every projection for fast inference (see :mod:`dflash2.runtime.linear`)."""
-        pack_linears(self)
+        """Pre-pack every projection for fast inference and drop the plain copies (see
+        :mod:`dflash2.runtime.linear`); the LM head keeps its weight (drafters may share it)."""
+        pack_linears(self, release=True, keep=(self.lm_head,))
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden, self.norm, self.spec.rms_norm_eps)

@@ -1,0 +1,153 @@
+"""Weight-only quantized linear layers in pure PyTorch: int8 per output channel, int4 per group.
+
+A draft model's precision changes how often its tokens are right, never the output (the target
+verifies every token), so drafters run in the cheapest weights that keep their agreement. Small
+batches of rows (one draft token at a time) are bound by reading the weights: int4 reads an
+eighth of fp32's bytes. The kernels are torch's own (``aten._weight_int8pack_mm``,
+``aten._weight_int4pack_mm_for_cpu``, the ones gpt-fast and torchao use); on the CPU they are fast
+with bfloat16 activations, so a quantized model computes in bfloat16 between its matmuls.
+
+- ``int8``: ``w ≈ q * scale``, q in [-127, 127], one scale per output channel.
+- ``int4``: ``w ≈ (q - 8) * scale + zero``, q in [0, 15], one (scale, zero) per ``GROUP`` inputs of
+  an output channel: an affine group, the form of GGUF's Q4_K sub-blocks, so a Q4_K weight
+  requantizes onto the same grid up to rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash2.errors import InvalidOptionError
+from dflash2.runtime.linear import Linear
+
+WeightFormat = Literal["same", "bf16", "int8", "int4"]  # "same": as loaded, no conversion
+WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("same", "bf16", "int8", "int4")
+GROUP = 32  # int4 inputs per (scale, zero): GGUF's Q4_K sub-block
+INT4_ROWS = 16  # the CPU int4 layout packs output channels in sixteens
+
+
+def check_weight_format(fmt: object, option: str) -> WeightFormat:
+    if fmt not in WEIGHT_FORMATS:
+        raise InvalidOptionError(f"{option} must be one of {', '.join(map(repr, WEIGHT_FORMATS))}; got {fmt!r}.")
+    return fmt
+
+
+def int4_available(device: torch.device) -> bool:
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def int8_available(device: torch.device) -> bool:
+    return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [N, K] int8, scale [N] fp32)`` with ``q * scale`` the nearest symmetric grid to ``weight``."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q [N, K] in 0..15, scale [N, K / group], zero [N, K / group])``, fp32 scales, with
+    ``(q - 8) * scale + zero`` the group's min-to-max affine grid nearest to ``weight``."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group, group)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15)
+    return q.reshape(n, k).to(torch.int32), scale, low + 8 * scale
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    n, k = q.shape
+    w = (q.reshape(n, k // group, group).float() - 8) * scale[..., None] + zero[..., None]
+    return w.reshape(n, k)
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T + b`` with W held as int8 or int4 (see the module docstring); bfloat16 compute."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: Literal["int8", "int4"]) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.format = fmt
+        self.compute_dtype = torch.bfloat16
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(self.compute_dtype), requires_grad=False)
+        self.qweight: torch.Tensor
+        self.scales: torch.Tensor
+        if fmt == "int8":
+            q, scale = quantize_int8(weight)
+            self.register_buffer("qweight", q)
+            self.register_buffer("scales", scale.to(self.compute_dtype))
+        else:
+            q, scale, zero = quantize_int4(weight)
+            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            # [K / group, N, 2]: the kernel's layout of (scale, zero) pairs
+            pairs = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+            self.register_buffer("scales", pairs.to(self.compute_dtype))
+
+    @staticmethod
+    def fits(weight: torch.Tensor, fmt: Literal["int8", "int4"]) -> bool:
+        """Whether the kernel of ``fmt`` takes a weight of this shape on its device."""
+        if fmt == "int8":
+            return int8_available(weight.device)
+        n, k = weight.shape
+        return int4_available(weight.device) and n % INT4_ROWS == 0 and k % GROUP == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(self.compute_dtype)
+        if self.format == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, GROUP, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+class HalfLinear(nn.Module):
+    """``y = x W^T + b`` with W in bfloat16 (the ``bf16`` format, whatever the model computes in)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+
+
+def quantize_linears(module: nn.Module, fmt: WeightFormat) -> nn.Module:
+    """Replace every :class:`Linear` inside ``module`` by its ``fmt`` form, in place; returns ``module``.
+
+    ``same`` changes nothing. A layer whose shape the int4 kernel cannot take falls back to int8,
+    and int8 to bfloat16 where its kernel is missing. A weight shared with an embedding stays
+    where it is (the embedding keeps reading it); the layer gets its own quantized copy.
+    """
+    if fmt == "same":
+        return module
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear):
+                setattr(parent, name, quantize_linear(child, fmt))
+    return module
+
+
+def quantize_linear(linear: Linear, fmt: WeightFormat) -> nn.Module:
+    """``linear`` in ``fmt`` (a new module; ``linear`` itself is unchanged), see :func:`quantize_linears`."""
+    if fmt == "same":
+        return linear
+    weight, bias = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+    if fmt == "int4" and not QuantLinear.fits(weight, "int4"):
+        fmt = "int8"
+    if fmt == "int8" and not QuantLinear.fits(weight, "int8"):
+        fmt = "bf16"
+    if fmt == "bf16":
+        return HalfLinear(weight, bias)
+    assert fmt in ("int8", "int4")
+    return QuantLinear(weight, bias, fmt)

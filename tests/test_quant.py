@@ -1,0 +1,151 @@
+"""Weight-only quantized drafters: the kernels compute what the formats say, and a drafter's
+precision never changes the output (greedy here, sampling in ``test_sampling_distribution.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_speculative import PIPELINES, PROMPTS
+from tiny import save_tiny_dflash
+
+import dflash2
+from dflash2 import InvalidOptionError
+from dflash2.drafters import HybridDrafter, load_drafter
+from dflash2.drafters.autoregressive import AutoregressiveDrafter
+from dflash2.runtime.linear import Linear
+from dflash2.runtime.quant import (
+    GROUP,
+    HalfLinear,
+    QuantLinear,
+    dequantize_int4,
+    quantize_int4,
+    quantize_int8,
+    quantize_linears,
+)
+
+FORMATS = ("bf16", "int8", "int4")
+
+
+def _linear(n: int, k: int, seed: int = 0) -> Linear:
+    torch.manual_seed(seed)
+    layer = Linear(k, n, bias=True)
+    layer.weight.data.normal_(0, 0.05)
+    layer.bias.data.normal_(0, 0.05)  # type: ignore[union-attr]
+    return layer
+
+
+def test_int4_groups_are_affine_grids() -> None:
+    w = torch.randn(32, 128) * 0.05
+    q, scale, zero = quantize_int4(w)
+    assert q.dtype == torch.int32 and int(q.min()) >= 0 and int(q.max()) <= 15
+    assert scale.shape == zero.shape == (32, 128 // GROUP)
+    error = (dequantize_int4(q, scale, zero) - w).abs().reshape(32, -1, GROUP)
+    assert bool((error <= scale[..., None] / 2 * (1 + 1e-5)).all())  # the nearest point of the grid
+
+
+def test_a_gguf_q4k_grid_requantizes_onto_itself() -> None:
+    """A Q4_K sub-block holds d * sc * q - dmin * m, q in 0..15: the same affine grid as int4."""
+    torch.manual_seed(1)
+    q = torch.randint(0, 16, (16, 64))
+    q[:, ::GROUP] = 0  # every sub-block reaches both ends of its grid, as almost all do
+    q[:, 1::GROUP] = 15
+    step = torch.rand(16, 64 // GROUP) * 0.01 + 1e-3
+    low = -torch.rand(16, 64 // GROUP) * 0.05
+    w = (q.reshape(16, -1, GROUP) * step[..., None] + low[..., None]).reshape(16, 64)
+    back = dequantize_int4(*quantize_int4(w))
+    assert torch.allclose(back, w, atol=1e-6)
+
+
+def test_int8_is_symmetric_per_channel() -> None:
+    w = torch.randn(24, 40)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (24,)
+    assert torch.allclose(q.float() * scale[:, None], w, atol=float(scale.max()) / 2 + 1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_linear_computes_the_dequantized_product(fmt: str) -> None:
+    layer = _linear(48, 96)
+    w = layer.weight.detach()
+    if fmt == "int4":
+        grid = dequantize_int4(*quantize_int4(w))
+    else:
+        q, scale = quantize_int8(w)
+        grid = q.float() * scale.bfloat16().float()[:, None]
+    quantized = QuantLinear(w, layer.bias, fmt)  # type: ignore[arg-type]
+    x = torch.randn(2, 5, 96)
+    expected = x.bfloat16().float() @ grid.T + layer.bias.detach()  # type: ignore[union-attr]
+    got = quantized(x)
+    assert got.shape == (2, 5, 48) and got.dtype == torch.float32
+    assert torch.allclose(got, expected, rtol=0.02, atol=0.02)  # bfloat16 activations and scales
+
+
+def test_quantize_linears_replaces_every_projection_and_keeps_shapes_the_kernels_refuse() -> None:
+    model = torch.nn.Sequential(_linear(64, 64), _linear(40, 64), _linear(64, 48))  # 40 rows, 48 inputs: not int4
+    quantize_linears(model, "int4")
+    first, odd_rows, odd_inputs = model
+    assert isinstance(first, QuantLinear) and first.format == "int4"
+    assert isinstance(odd_rows, QuantLinear) and odd_rows.format == "int8"  # int4 packs rows in sixteens
+    assert isinstance(odd_inputs, QuantLinear) and odd_inputs.format == "int8"  # and inputs in groups of 32
+    assert [tuple(layer(torch.randn(3, layer.in_features)).shape) for layer in model] == [(3, 64), (3, 40), (3, 64)]
+    half = quantize_linears(torch.nn.Sequential(_linear(16, 32)), "bf16")
+    assert isinstance(half[0], HalfLinear) and half[0].weight.dtype == torch.bfloat16
+    same = torch.nn.Sequential(_linear(16, 32))
+    assert isinstance(quantize_linears(same, "same")[0], Linear)
+
+
+def test_a_tied_head_is_quantized_apart_from_the_embedding(paths: dict[str, Path]) -> None:
+    target = dflash2.load(paths["target"])
+    tied = dflash2.load(paths["target"]).target  # a fresh copy to quantize
+    tied.lm_head.weight = tied.embed_tokens.weight
+    embedding = tied.embed_tokens.weight.detach().clone()
+    quantize_linears(tied, "int4")
+    assert isinstance(tied.lm_head, QuantLinear)
+    assert torch.equal(tied.embed_tokens.weight, embedding)  # still the fp32 table, read a row at a time
+    assert target.target.embed_tokens.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("pipeline", PIPELINES)
+@pytest.mark.parametrize("kind", ["autoregressive", "hybrid", "dflash2"])
+def test_a_drafters_precision_never_changes_the_output(
+    fmt: str, pipeline: str, kind: str, paths: dict[str, Path], references: dict[str, list[int]]
+) -> None:
+    drafter = {"autoregressive": paths["target"], "hybrid": ["ngram", paths["target"]]}.get(kind, paths["dflash2"])
+    model = dflash2.load(paths["target"], drafter=drafter, drafter_weights=fmt)
+    quantized = [m for m in _drafter_modules(model) if isinstance(m, (QuantLinear, HalfLinear))]
+    assert quantized and not any(isinstance(m, Linear) for m in _drafter_modules(model))
+    for prompt in PROMPTS:
+        completion = model.generate(prompt, max_new_tokens=48, pipeline=pipeline)
+        assert list(completion.token_ids) == references[prompt]
+
+
+def _drafter_modules(model: dflash2.Model) -> list[torch.nn.Module]:
+    drafter = model.drafter
+    inner = drafter.model if isinstance(drafter, HybridDrafter) else drafter  # a hybrid's model drafter
+    network = getattr(inner, "model", None)
+    assert isinstance(network, torch.nn.Module)
+    return list(network.modules())
+
+
+def test_auto_weights_are_int4_for_a_causal_lm_on_the_cpu_and_leave_a_dflash_drafter(paths: dict[str, Path]) -> None:
+    target = dflash2.load(paths["target"])
+    drafter = load_drafter(paths["target"], target.target, target.tokenizer)
+    assert isinstance(drafter, AutoregressiveDrafter)
+    formats = {m.format for m in drafter.model.modules() if isinstance(m, QuantLinear) and m.out_features % 16 == 0}
+    assert formats == {"int4"}  # (the byte vocabulary's head, 260 rows, takes int8)
+    dflash = load_drafter(paths["dflash2"], target.target, target.tokenizer)
+    assert not any(isinstance(m, QuantLinear) for m in dflash.model.modules())  # type: ignore[union-attr]
+    with pytest.raises(InvalidOptionError, match="drafter_weights must be one of"):
+        dflash2.load(paths["target"], drafter=paths["target"], drafter_weights="int2")
+
+
+def test_a_drafter_of_its_own_head_quantizes_that_head(tmp_path: Path, paths: dict[str, Path]) -> None:
+    limited = save_tiny_dflash(tmp_path / "d", version=1)
+    (limited / "draft_vocab.json").write_text('{"token_ids": [' + ", ".join(str(i) for i in range(32)) + "]}")
+    model = dflash2.load(paths["target"], drafter=limited, drafter_weights="int4")
+    head = model.drafter.head  # type: ignore[union-attr]
+    assert isinstance(head, QuantLinear) and head.out_features == 32
+    assert model.target.lm_head is not head and isinstance(model.target.lm_head, Linear)
