@@ -16,6 +16,8 @@ from tqdm import tqdm
 from dflash2.bench.data import Prompt
 from dflash2.bench.runners import Runner, RunResult
 
+PLAIN = "dflash2"  # dflash2's plain decoding: what speculative rows are a multiple of
+
 
 @dataclass
 class Row:
@@ -30,6 +32,8 @@ class Row:
     identical: int
     tokens_per_second: float = 0.0
     speedup: float = 0.0
+    speedup_plain: float | None = None  # against dflash2's plain decoding in the same run
+    exact: bool = True  # expected to equal the reference (False: a peer running other weights)
     mean_acceptance_length: float | None = None
     time_to_first_token_s: float | None = None
     overlap: float | None = None
@@ -43,6 +47,11 @@ class Row:
     @property
     def all_identical(self) -> bool:
         return self.identical == self.prompts
+
+    @property
+    def flagged(self) -> bool:
+        """Outputs that should equal the reference's and do not all."""
+        return self.exact and not self.all_identical
 
 
 def run_matrix(
@@ -87,6 +96,9 @@ def run_matrix(
     for row in rows:
         base = next(r for r in rows if r.config == reference and r.dataset == row.dataset)
         row.speedup = row.tokens_per_second / base.tokens_per_second if base.tokens_per_second else 0.0
+        plain = next((r for r in rows if r.config == PLAIN and r.dataset == row.dataset), None)
+        if plain is not None and plain.tokens_per_second:
+            row.speedup_plain = row.tokens_per_second / plain.tokens_per_second
     return rows
 
 
@@ -105,6 +117,7 @@ def aggregate(runner: Runner, dataset: str, runs: list[tuple[RunResult, bool]]) 
     return Row(
         config=runner.name,
         group=runner.group,
+        exact=runner.exact,
         dataset=dataset,
         prompts=len(runs),
         new_tokens=tokens,

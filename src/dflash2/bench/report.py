@@ -22,16 +22,19 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def markdown_table(rows: Sequence[Row]) -> str:
-    """One line per configuration and dataset; rows without 100 % identical outputs are flagged."""
+    """One line per configuration and dataset; rows without 100 % identical outputs are flagged
+    (a peer that runs other weights, llama.cpp on the GGUF itself, is marked instead)."""
+    plain = any(r.speedup_plain is not None for r in rows)
     lines = [
-        "| dataset | configuration | tokens/s | speedup vs transformers | tokens per target forward "
-        "| TTFT (s) | overlap | overlap bound | bubble | pre-draft hits | identical |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| dataset | configuration | tokens/s | speedup vs transformers " + ("| × dflash2 plain " if plain else "")
+        + "| tokens per target forward | TTFT (s) | overlap | overlap bound | bubble | pre-draft hits | identical |",
+        "|---|---|---:|---:|" + ("---:|" if plain else "") + "---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        flag = "" if r.all_identical else " ⚠ NOT IDENTICAL"
+        flag = " ⚠ NOT IDENTICAL" if r.flagged else "" if r.exact else " (its own weights)"
+        vs_plain = f"| {_fmt(r.speedup_plain, '.2f')}× " if plain else ""
         lines.append(
-            f"| {r.dataset} | {r.config} | {r.tokens_per_second:.1f} | {r.speedup:.2f}× "
+            f"| {r.dataset} | {r.config} | {r.tokens_per_second:.1f} | {r.speedup:.2f}× {vs_plain}"
             f"| {_fmt(r.mean_acceptance_length, '.2f')} | {_fmt(r.time_to_first_token_s, '.3f')} "
             f"| {_fmt(r.overlap, '.0%')} | {_fmt(r.overlap_bound, '.0%')} | {_fmt(r.bubble, '.0%')} "
             f"| {_fmt(r.predraft_hit_rate, '.0%')} | {r.identical}/{r.prompts}{flag} |"
@@ -68,7 +71,7 @@ def plot_tokens_per_second(rows: Sequence[Row], path: Path) -> Path:
         bars = ax.bar(xs, values, width, label=dataset)
         for bar, config in zip(bars, configs, strict=True):
             row = next((r for r in rows if r.config == config and r.dataset == dataset), None)
-            if row is not None and not row.all_identical:
+            if row is not None and row.flagged:
                 bar.set_hatch("//")
     ax.set_xticks([i + width * (len(datasets) - 1) / 2 for i in range(len(configs))], configs, rotation=20, ha="right")
     ax.set_ylabel("tokens / s")

@@ -104,7 +104,7 @@ def build_runners(
         if name not in CONFIGS:
             raise SystemExit(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
         if name in LLAMA_CPP:
-            runners.append(_llama_cpp_runner(name, llama_cpp, gguf, drafters.get("ar"), block_sizes.get("ar")))
+            runners.append(_llama_cpp_runner(name, llama_cpp, gguf, drafters.get("ar")))
         elif name.startswith("transformers"):
             hf = hf if hf is not None else _hf_model(model.checkpoint, model.dtype)
             worker = model.workers.verify
@@ -135,9 +135,8 @@ def build_runners(
     return runners
 
 
-def _llama_cpp_runner(
-    name: str, folder: Path | None, target: Path | None, drafter: Any, block_size: int | None
-) -> LlamaServerRunner:
+def _llama_cpp_runner(name: str, folder: Path | None, target: Path | None, drafter: Any) -> LlamaServerRunner:
+    """llama.cpp's server, drafting with its own defaults (a draft model: at most 3 tokens a step)."""
     if folder is None or not (folder / "llama-server").is_file():
         raise SystemExit(f"{name} needs --llama-cpp, the folder holding llama.cpp's llama-server")
     if target is None or target.suffix != ".gguf":
@@ -146,7 +145,7 @@ def _llama_cpp_runner(
     if name == "llama.cpp-speculative":
         if drafter is None or Path(str(drafter)).suffix != ".gguf":
             raise SystemExit(f"{name} needs --ar-drafter as a .gguf file or an offline model name")
-        extra = ["--spec-type", "draft-simple", "-md", str(drafter), "--spec-draft-n-max", str((block_size or 9) - 1)]
+        extra = ["--spec-type", "draft-simple", "-md", str(drafter)]
     elif name == "llama.cpp-ngram":
         extra = ["--spec-type", "ngram-simple"]
     return LlamaServerRunner(folder / "llama-server", target, name, torch.get_num_threads(), extra)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import subprocess
 import tempfile
@@ -36,6 +37,7 @@ class RunResult:
 class Runner(Protocol):
     name: str
     group: str  # "peer" or "ours"
+    exact: bool  # whether its tokens should equal the reference's (False: it runs other weights)
 
     def run(self, prompt: Any, prompt_ids: list[int], max_new_tokens: int) -> RunResult: ...
 
@@ -47,6 +49,7 @@ class TransformersRunner:
     """
 
     group = "peer"
+    exact = True
 
     def __init__(self, model: Any, worker: Worker, name: str = "transformers", **generate_kwargs: Any) -> None:
         self.model = model
@@ -78,6 +81,7 @@ class DFlash2Runner:
     """``Model.generate`` with fixed options (drafter and pipeline are the model's / options')."""
 
     group = "ours"
+    exact = True
 
     def __init__(self, model: Model, name: str, **options: Any) -> None:
         self.model = model
@@ -113,6 +117,7 @@ class LlamaServerRunner:
     """
 
     group = "peer"
+    exact = False  # the GGUF's own quantized weights, not the dequantized fp32 model
 
     def __init__(self, binary: Path, gguf: Path, name: str, threads: int, extra: Sequence[str] = ()) -> None:
         self.name = name
@@ -122,7 +127,10 @@ class LlamaServerRunner:
             "-tb", str(threads), "-c", "4096", "-np", "1", "--no-webui", *extra,
         ]  # fmt: skip
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server, closed by close()
-        self._server = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        # a build's shared libraries sit beside its binaries
+        libraries = os.pathsep.join(filter(None, [str(binary.parent), os.environ.get("LD_LIBRARY_PATH")]))
+        env = {**os.environ, "LD_LIBRARY_PATH": libraries}
+        self._server = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         try:
             self._wait_ready()
         except BaseException:

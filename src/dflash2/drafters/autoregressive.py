@@ -26,7 +26,7 @@ class AutoregressiveDrafter:
     """Drafts ``block_size - 1`` tokens per step with ``model`` (shares no weights with the target)."""
 
     capture_layers: tuple[int, ...] = ()
-    default_block_size = 6
+    default_block_size = 12  # a step drafts as far as the drafter is likely right (see engine.draft_length)
 
     def __init__(
         self, model: Decoder, target_vocab_size: int, block_size: int = default_block_size, name: str = "autoregressive"
