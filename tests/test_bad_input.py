@@ -3,21 +3,26 @@ what to do, raised within seconds, and the model stays usable after it."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
+import re
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from tiny import save_tiny, save_tiny_dflash
 
 import dflash2
 from dflash2 import (
+    CacheDirectoryError,
     ContextLengthError,
     CorruptCheckpointError,
     DrafterError,
@@ -28,6 +33,8 @@ from dflash2 import (
     TokenizerMismatchError,
     UnsupportedModelError,
 )
+from dflash2.drafters import Draft, DraftContext, Outcome
+from dflash2.engine import DraftLengthPolicy, OverlapPolicy
 from dflash2.runtime.loader import cache_dir
 
 PROMPT = "The quick brown fox"
@@ -127,9 +134,76 @@ def test_drafters_that_do_not_fit(paths: dict[str, Path], tmp_path: Path) -> Non
     raises_quickly(InvalidOptionError, "block_size", lambda: target.with_drafter("ngram", block_size=1))
     # a draft model with a shorter context than the target: refused per request, naming it
     short = target.with_drafter(save_tiny(tmp_path / "short", "llama", max_position_embeddings=64))
-    raises_quickly(ContextLengthError, "the drafter's context of 52", lambda: short.stream(PROMPT, max_new_tokens=40))
+    raises_quickly(ContextLengthError, "the drafter's context of 64", lambda: short.stream(PROMPT, max_new_tokens=50))
     assert len(short.generate(PROMPT, max_new_tokens=20).token_ids) == 20
     assert len(target.generate(PROMPT, max_new_tokens=3).token_ids) == 3
+
+
+class ContractBreakingSession:
+    """A custom drafter's session that proposes what a Drafter must not."""
+
+    def __init__(self, breach: str) -> None:
+        self.breach = breach
+
+    def propose(self, max_tokens: int) -> Any:
+        return {
+            "outside-vocabulary": lambda: Draft(torch.tensor([5, 999])),
+            "negative-id": lambda: Draft(torch.tensor([-3])),
+            "float-tokens": lambda: Draft(torch.tensor([5.0, 6.0])),
+            "two-dimensional": lambda: Draft(torch.tensor([[5, 6]])),
+            "too-many": lambda: Draft(torch.arange(max_tokens + 3)),
+            "not-a-draft": lambda: [5, 6],
+            "probs-of-another-shape": lambda: Draft(torch.tensor([5, 6]), torch.ones(3, 260) / 260),
+        }[self.breach]()
+
+    def observe(self, outcome: Outcome) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class ContractBreakingDrafter:
+    breach: str
+    name: str = "breaking"
+    block_size: int = 4
+    capture_layers: tuple[int, ...] = ()
+
+    def start(self, context: DraftContext) -> ContractBreakingSession:
+        return ContractBreakingSession(self.breach)
+
+
+BREACHES = [
+    ("outside-vocabulary", "proposed token id 999, outside the target's vocabulary \\[0, 260\\)"),
+    ("negative-id", "proposed token id -3"),
+    ("float-tokens", "proposed tokens of dtype float32"),
+    ("two-dimensional", "proposed tokens of dtype int64 and shape \\[1, 2\\]"),
+    ("too-many", "proposed 6 tokens when asked for at most 3"),
+    ("not-a-draft", "proposed a list; propose\\(\\) returns a Draft"),
+    ("probs-of-another-shape", "proposed 2 tokens with probabilities of shape \\[3, 260\\]"),
+]
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+@pytest.mark.parametrize(("breach", "hint"), BREACHES, ids=[b for b, _ in BREACHES])
+def test_a_drafter_that_breaks_its_contract(
+    breach: str, hint: str, pipeline: str, tiny_model: dflash2.Model
+) -> None:
+    model = tiny_model.with_drafter(ContractBreakingDrafter(breach))
+    model.lengths = DraftLengthPolicy(mode="fixed")  # every step asks for whole blocks
+    raises_quickly(DrafterError, f"the drafter 'breaking' {hint}",
+                   lambda: model.generate(PROMPT, max_new_tokens=8, pipeline=pipeline))  # fmt: skip
+    assert len(tiny_model.generate(PROMPT, max_new_tokens=3).token_ids) == 3
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_the_target_drafting_for_itself_keeps_the_targets_context(paths: dict[str, Path], pipeline: str) -> None:
+    plain = dflash2.load(paths["target"])
+    drafted = plain.with_drafter(paths["target"], drafter_weights="same")
+    drafted.policy = OverlapPolicy(schedule="overlap")  # the async runs draft ahead every step
+    assert drafted.max_context == plain.max_context == 512
+    room = 512 - len(plain.tokenizer(PROMPT).input_ids)
+    expected = plain.generate(PROMPT, max_new_tokens=room).token_ids
+    assert drafted.generate(PROMPT, max_new_tokens=room, pipeline=pipeline).token_ids == expected
 
 
 # ---------------------------------------------------------------- files that are missing or damaged
@@ -180,7 +254,7 @@ FILE_CASES: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
     ("weights-truncated", lambda d: _truncate(d / "model.safetensors"), CorruptCheckpointError, "download it again"),
     ("weights-header-only", lambda d: _truncate(d / "model.safetensors", 0.001), CorruptCheckpointError, "truncated"),
     ("weights-garbage", _write("model.safetensors", b"\0" * 999), CorruptCheckpointError, "download it again"),
-    ("weight-absent", _drop_weight, UnsupportedModelError, "is missing; the checkpoint is incomplete"),
+    ("weight-absent", _drop_weight, CorruptCheckpointError, "have no model.norm.weight"),
     ("shard-absent", _sharded_without_a_shard, ModelNotFoundError, "download it again"),
     ("index-garbage", _write("model.safetensors.index.json", b"{"), CorruptCheckpointError, "safetensors index"),
     ("tokenizer-missing", lambda d: [p.unlink() for p in d.glob("tok*")], ModelNotFoundError, "tokenizer files"),
@@ -201,6 +275,56 @@ def test_damaged_checkpoints(
     raises_quickly(error, hint, lambda: dflash2.load(broken))
     raises_quickly(error, hint, lambda: tiny_model.with_drafter(broken))  # the same file as a drafter
     assert len(tiny_model.generate(PROMPT, max_new_tokens=3).token_ids) == 3
+
+
+# a config.json that disagrees with the weights: each field that shapes a tensor, and the architecture
+CONFIG_CASES: list[tuple[dict[str, Any], str]] = [
+    ({"hidden_size": 48}, "hidden_size=48"),
+    ({"vocab_size": 300}, "vocab_size=300"),
+    ({"num_attention_heads": 8}, "num_attention_heads=8"),
+    ({"num_key_value_heads": 1}, "num_key_value_heads=1"),
+    ({"intermediate_size": 96}, "intermediate_size=96"),
+    ({"head_dim": 8}, "head_dim=8"),
+    ({"num_hidden_layers": 1}, "hold 2 layers, but config.json says num_hidden_layers=1"),
+    ({"num_hidden_layers": 3}, "no model.layers.2."),
+    ({"tie_word_embeddings": True, "vocab_size": 250}, "vocab_size=250"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}, "q_norm.weight, which a qwen3 model"),
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "q_proj.bias, which a qwen2 model"),
+]
+
+
+@pytest.mark.parametrize(("change", "hint"), CONFIG_CASES, ids=[f"{next(iter(c))}-{i}" for i, (c, _) in
+                                                              enumerate(CONFIG_CASES)])  # fmt: skip
+def test_a_config_that_disagrees_with_the_weights(
+    change: dict[str, Any], hint: str, paths: dict[str, Path], tiny_model: dflash2.Model, tmp_path: Path
+) -> None:
+    broken = _copy(paths["target"], tmp_path / "broken", _config(**change))
+    raises_quickly(CorruptCheckpointError, re.escape(hint), lambda: dflash2.load(broken))
+    raises_quickly(CorruptCheckpointError, re.escape(hint), lambda: tiny_model.with_drafter(broken))
+    assert len(tiny_model.generate(PROMPT, max_new_tokens=3).token_ids) == 3
+
+
+TENSOR_DAMAGES = [("transposed", "has shape"), ("one-row-more", "has shape"), ("integers", "holds int32 values"),
+                  ("nan", "NaN or infinite")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("damage", "hint"), TENSOR_DAMAGES)
+def test_every_damaged_tensor_is_named(damage: str, hint: str, paths: dict[str, Path], tmp_path: Path) -> None:
+    """The checkpoint fuzz: each tensor of the checkpoint in turn, damaged, is named in the error."""
+    tensors = load_file(str(paths["target"] / "model.safetensors"))
+    for name, tensor in tensors.items():
+        if damage == "transposed" and (tensor.dim() < 2 or tensor.shape[0] == tensor.shape[1]):
+            continue  # a vector or a square matrix transposes into its own shape
+        bad = {
+            "transposed": lambda t: t.t().contiguous(),
+            "one-row-more": lambda t: torch.cat([t, t[:1]]),
+            "integers": lambda t: t.to(torch.int32),
+            "nan": lambda t: t.clone().flatten().index_fill(0, torch.tensor([0]), float("nan")).view_as(t),
+        }[damage](tensor)
+        broken = tmp_path / f"{damage}-{name}"
+        shutil.copytree(paths["target"], broken)
+        save_file({**tensors, name: bad}, str(broken / "model.safetensors"), metadata={"format": "pt"})
+        raises_quickly(CorruptCheckpointError, re.escape(name) + ".*" + hint, functools.partial(dflash2.load, broken))
 
 
 def test_damaged_drafter_checkpoint(paths: dict[str, Path], tiny_model: dflash2.Model, tmp_path: Path) -> None:
@@ -241,3 +365,13 @@ def test_damaged_gguf_files(damage: str, tmp_path: Path) -> None:
     raises_quickly(CorruptCheckpointError, "download it again", lambda: dflash2.load(gguf))
     left = [p.name for p in (cache_dir() / "gguf").iterdir() if p.name.startswith((f"{damage}-", f".tmp-{damage}"))]
     assert left == [f for f in left if f.endswith(".lock")]  # nothing half-written
+
+
+@pytest.mark.parametrize("place", ["a-file", "under-a-file", "proc"])
+def test_an_unusable_cache_directory(place: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    cache = {"a-file": tmp_path / "file", "under-a-file": tmp_path / "file" / "cache", "proc": Path("/proc/dflash2")}
+    monkeypatch.setenv("DFLASH2_CACHE", str(cache[place]))
+    gguf = tmp_path / "model.gguf"
+    gguf.symlink_to(_gguf_source())  # not converted yet under that cache
+    raises_quickly(CacheDirectoryError, "set DFLASH2_CACHE to a writable directory", lambda: dflash2.load(gguf))

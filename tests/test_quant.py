@@ -12,7 +12,7 @@ from tiny import save_tiny_dflash
 
 import dflash2
 from dflash2 import InvalidOptionError
-from dflash2.drafters import HybridDrafter, load_drafter
+from dflash2.drafters import HybridDrafter, draft_weights, load_drafter
 from dflash2.drafters.autoregressive import AutoregressiveDrafter
 from dflash2.runtime.linear import Linear
 from dflash2.runtime.quant import (
@@ -140,6 +140,13 @@ def test_auto_weights_are_int4_for_a_causal_lm_on_the_cpu_and_leave_a_dflash_dra
     assert not any(isinstance(m, QuantLinear) for m in dflash.model.modules())  # type: ignore[union-attr]
     with pytest.raises(InvalidOptionError, match="drafter_weights must be one of"):
         dflash2.load(paths["target"], drafter=paths["target"], drafter_weights="int2")
+
+
+def test_the_weight_only_kernels_are_refused_off_the_cpu() -> None:
+    cuda = torch.device("cuda")  # no device needed: the choice is made before anything loads there
+    assert draft_weights("auto", cuda) == "same" and draft_weights("bf16", cuda) == "bf16"
+    with pytest.raises(InvalidOptionError, match="CPU only"):
+        draft_weights("int4", cuda)
 
 
 def test_a_drafter_of_its_own_head_quantizes_that_head(tmp_path: Path, paths: dict[str, Path]) -> None:

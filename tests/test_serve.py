@@ -147,6 +147,16 @@ def test_four_concurrent_clients_get_their_own_answers(server: str, local: dflas
         ({"model": "gpt-4"}, 404, "model"),
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),
+        # values OpenAI refuses as well: a count of another type, an empty tool list, a false penalty
+        ({"n": True}, 400, "n"),
+        ({"n": []}, 400, "n"),
+        ({"n": 1.0}, 400, "n"),
+        ({"frequency_penalty": False}, 400, "frequency_penalty"),
+        ({"tools": []}, 400, "tools"),
+        # roles the chat template would take as they come, and message fields that would be dropped
+        ({"messages": [{"role": "tool", "content": "42"}]}, 400, "messages[0].role"),
+        ({"messages": [{"role": "<s>system", "content": "hi"}]}, 400, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400, "messages[0].name"),
     ],
 )
 def test_bad_requests_get_openai_errors(server: str, change: dict[str, Any], status: int, param: str) -> None:
@@ -158,10 +168,20 @@ def test_bad_requests_get_openai_errors(server: str, change: dict[str, Any], sta
     assert "Traceback" not in reply.text
 
 
+def test_neutral_values_and_the_developer_role_are_accepted(server: str) -> None:
+    body = {"model": NAME, "max_tokens": 4, "n": 1, "frequency_penalty": 0.0, "tools": None, "logit_bias": {}}
+    body["messages"] = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi", "name": None}]
+    reply = httpx.post(server + "/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+
+
 def test_malformed_and_oversized_bodies(server: str) -> None:
     headers = {"content-type": "application/json"}
     reply = httpx.post(server + "/v1/chat/completions", content=b"{not json", headers=headers)
     assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"]
+    nested = b"[" * 100_000 + b"]" * 100_000  # past the JSON parser's recursion limit
+    reply = httpx.post(server + "/v1/chat/completions", content=nested, headers=headers)
+    assert reply.status_code == 400 and "nests" in reply.json()["error"]["message"]
     huge = {"model": NAME, "messages": [{"role": "user", "content": "a" * (2 << 20)}]}
     assert httpx.post(server + "/v1/chat/completions", json=huge).status_code == 413
     with pytest.raises(openai.BadRequestError, match="context"):

@@ -3,6 +3,7 @@
 from dflash2.api import Model, load
 from dflash2.config import GenerationConfig, GenerationOptions, GraphConfig, SamplingConfig, SpeculativeConfig
 from dflash2.errors import (
+    CacheDirectoryError,
     ContextLengthError,
     CorruptCheckpointError,
     DFlash2Error,
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockingTokenStream",
+    "CacheDirectoryError",
     "Completion",
     "ContextLengthError",
     "CorruptCheckpointError",

@@ -84,20 +84,15 @@ def assembled(split: SplitGGUF, download: bool = True) -> Path:
     """
     from filelock import FileLock
 
-    from dflash2.runtime.loader import cache_dir
+    from dflash2.runtime.loader import cache_dir, cache_folder
 
-    folder = cache_dir() / "models"
-    path = folder / split.name
+    path = cache_dir() / "models" / split.name
     if _verified(path, split):
         return path
     if not download:
-        raise ModelNotFoundError(
-            f"{split.name} is not in {folder}; run `python -c 'import dflash2.demo_model as m; m.qwen_coder_pair()'`."
-        )
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ModelNotFoundError(f"cannot create the model cache {folder} ({err}); set DFLASH2_CACHE.") from err
+        fetch = "python -c 'import dflash2.demo_model as m; m.qwen_coder_pair()'"
+        raise ModelNotFoundError(f"{split.name} is not in {path.parent}; fetch it once: {fetch}")
+    folder = cache_folder("models")
     with FileLock(str(folder / f"{split.name}.lock")):
         if not _verified(path, split):
             _assemble(split, path)

@@ -50,5 +50,9 @@ class StreamStateError(DFlash2Error, RuntimeError):
     """A stream or API call was used in a state that does not allow it."""
 
 
+class CacheDirectoryError(DFlash2Error, OSError):
+    """dflash2's cache directory (``DFLASH2_CACHE``) cannot be created or written."""
+
+
 class MissingDependencyError(DFlash2Error, ImportError):
     """An optional dependency needed for this feature is not installed."""

@@ -19,7 +19,7 @@ from dflash2.drafters.base import Draft, DraftContext, Drafter, DraftSession, Ou
 from dflash2.drafters.dflash import DFlashDrafter, DFlashSpec, load_dflash_drafter, read_draft_vocab
 from dflash2.drafters.hybrid import HybridDrafter
 from dflash2.drafters.ngram import NGramDrafter
-from dflash2.errors import DrafterError, TokenizerMismatchError
+from dflash2.errors import DrafterError, InvalidOptionError, TokenizerMismatchError
 from dflash2.runtime.loader import (
     load_decoder,
     load_safetensors,
@@ -41,6 +41,7 @@ __all__ = [
     "NGramDrafter",
     "Outcome",
     "check_same_tokenizer",
+    "draft_weights",
     "load_drafter",
 ]
 
@@ -104,10 +105,16 @@ def draft_weights(weights: str, device: object) -> WeightFormat:
     A drafter's precision only changes how often its tokens are accepted, never the output.
     DFlash drafters keep the target's precision under ``"auto"`` (their cost is the shared LM head).
     """
+    cpu = getattr(device, "type", None) == "cpu"
     if weights == "auto":
-        cpu = getattr(device, "type", None) == "cpu"
         return ("int4" if int4_available(device) else "bf16") if cpu else "same"  # type: ignore[arg-type]
-    return check_weight_format(weights, "drafter_weights")
+    fmt = check_weight_format(weights, "drafter_weights")
+    if fmt in ("int8", "int4") and not cpu:
+        raise InvalidOptionError(
+            f"drafter_weights={fmt!r} runs on the CPU only (torch's weight-only kernels); on {device} use 'bf16' or "
+            "'same'."
+        )
+    return fmt
 
 
 def _hybrid(

@@ -42,8 +42,9 @@ class AutoregressiveDrafter:
 
     @property
     def max_context(self) -> int:
-        """Prompt + new tokens it can draft for (its cache also holds up to two blocks ahead)."""
-        return self.model.spec.max_position_embeddings - 2 * self.block_size
+        """Prompt + new tokens it can draft for: its context. Nothing it drafts, ahead or not, lies
+        past the request's last position (drafts never exceed what is left to generate)."""
+        return self.model.spec.max_position_embeddings
 
     def use_static_steps(self, mode: StepMode, context: int, slots: int) -> None:
         self.steps = DecoderPool(self.model, mode, context, slots)

@@ -175,8 +175,11 @@ class Batcher:
                     steps[i].error = err
                 continue
             share = (time.perf_counter() - start) / len(members)
-            for (i, _), r, draft in zip(members, requests, made, strict=True):
-                drafts[i] = r.drafted(draft, share)
+            for (i, wanted), r, draft in zip(members, requests, made, strict=True):
+                try:
+                    drafts[i] = r.drafted(draft, share, wanted)
+                except Exception as err:  # raised in that stream's consumer
+                    steps[i].error = err
         for i, s in enumerate(steps):  # the batch waits for every draft
             s.request.counters.wait_s += s.request.counters.draft_s - before[i]
         return drafts

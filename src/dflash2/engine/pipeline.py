@@ -28,7 +28,7 @@ import anyio
 from dflash2.drafters.base import Draft, PreDraft, PreDrafting
 from dflash2.engine.batch import Batcher
 from dflash2.engine.policy import OverlapPolicy
-from dflash2.engine.request import Request, Verified
+from dflash2.engine.request import Request, Verified, check_draft
 from dflash2.runtime.workers import Timed, Workers
 from dflash2.stream import EngineCounters
 
@@ -124,6 +124,8 @@ class AsyncPipeline:
         emitted, outcome = settled
         pre: PreDraft | None = p.value
         if pre is not None and pre.matches(outcome, len(draft)):
+            assert r.drafter is not None
+            check_draft(pre.draft, ahead, r.target.spec.vocab_size, r.drafter.name)
             self._ready = Draft(pre.draft.tokens.to(r.target.device), pre.draft.probs, pre.draft.confidence)
             self.counters.predraft_hits += 1
         return list(emitted)

@@ -32,6 +32,7 @@ import torch
 from dflash2.config import GenerationConfig, SamplingConfig
 from dflash2.drafters.base import MODEL_SOURCE, Draft, DraftContext, Drafter, DraftSession, MixedDrafting, Outcome
 from dflash2.engine.draft_length import DraftLength
+from dflash2.errors import DrafterError
 from dflash2.runtime.graphs import DecoderPool, Slot
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.model import Decoder
@@ -41,6 +42,34 @@ from dflash2.stream import EngineCounters
 from dflash2.verify import accept
 
 T = TypeVar("T")
+
+
+def check_draft(draft: object, wanted: int, vocab: int, drafter: str) -> None:
+    """Raise :class:`DrafterError` unless ``draft`` is what a drafter must propose: a :class:`Draft`
+    of at most ``wanted`` token ids of the target's vocabulary (values checked where they are on the
+    host, so that nothing waits for a device)."""
+    if not isinstance(draft, Draft) or not isinstance(draft.tokens, torch.Tensor):
+        raise DrafterError(f"the drafter {drafter!r} proposed a {type(draft).__name__}; propose() returns a Draft.")
+    tokens = draft.tokens
+    if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise DrafterError(
+            f"the drafter {drafter!r} proposed tokens of dtype {str(tokens.dtype).removeprefix('torch.')} and shape "
+            f"{list(tokens.shape)}; a Draft's tokens are a 1-D tensor of integer token ids (torch.long)."
+        )
+    if len(tokens) > wanted:
+        raise DrafterError(f"the drafter {drafter!r} proposed {len(tokens)} tokens when asked for at most {wanted}.")
+    if len(tokens) and tokens.device.type == "cpu":
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= vocab:
+            raise DrafterError(
+                f"the drafter {drafter!r} proposed token id {low if low < 0 else high}, outside the target's "
+                f"vocabulary [0, {vocab})."
+            )
+    if draft.probs is not None and (draft.probs.dim() != 2 or draft.probs.shape[0] != len(tokens)):
+        raise DrafterError(
+            f"the drafter {drafter!r} proposed {len(tokens)} tokens with probabilities of shape "
+            f"{list(draft.probs.shape)}; a Draft's probs hold one row per token."
+        )
 
 
 @dataclass(frozen=True)
@@ -196,7 +225,7 @@ class Request:
         assert self.session is not None
         start = time.perf_counter()
         draft = self.session.propose(wanted)
-        return self.drafted(draft, time.perf_counter() - start)
+        return self.drafted(draft, time.perf_counter() - start, wanted)
 
     def wanted(self, batch: int = 1) -> int | None:
         """How far this step drafts, as the draft-length policy says (ask once per step) for a step
@@ -213,8 +242,11 @@ class Request:
     def no_draft(self) -> Draft:
         return Draft(torch.zeros(0, dtype=torch.long, device=self.target.device))
 
-    def drafted(self, draft: Draft, seconds: float) -> Draft:
-        """Count a draft the session made in ``seconds`` and move it to the target's device."""
+    def drafted(self, draft: Draft, seconds: float, wanted: int) -> Draft:
+        """Check a draft of at most ``wanted`` tokens the session made in ``seconds``, count it and
+        move it to the target's device."""
+        assert self.drafter is not None
+        check_draft(draft, wanted, self.target.spec.vocab_size, self.drafter.name)
         self.counters.draft_s += seconds
         if self.lengths is not None and len(draft) > 0:
             self.lengths.policy.record_draft(len(draft), seconds, self.lengths.source)

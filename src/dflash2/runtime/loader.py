@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from dflash2.errors import (
+    CacheDirectoryError,
     CorruptCheckpointError,
     DFlash2Error,
     MissingDependencyError,
@@ -31,6 +32,7 @@ from dflash2.errors import (
     OfflineModelError,
     UnsupportedModelError,
 )
+from dflash2.runtime.checkpoint import check_weights
 from dflash2.runtime.model import Decoder
 from dflash2.runtime.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
@@ -45,6 +47,24 @@ def cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "dflash2"
+
+
+def cache_folder(name: str) -> Path:
+    """The folder ``name`` of the cache dir, created if needed and checked to be writable: every
+    cache entry goes through here, so an unusable ``DFLASH2_CACHE`` has one clear error."""
+    folder = cache_dir() / name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        writable = os.access(folder, os.W_OK | os.X_OK)
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+    else:
+        if writable:
+            return folder
+        reason = "not writable"
+    raise CacheDirectoryError(
+        f"dflash2 cannot write its cache at {folder} ({reason}); set DFLASH2_CACHE to a writable directory."
+    )
 
 
 def hub_offline() -> bool:
@@ -108,13 +128,13 @@ def gguf_to_safetensors(gguf: Path) -> Path:
     target = cache_dir() / "gguf" / f"{gguf.stem}-{_file_fingerprint(gguf)}"
     if (target / "config.json").is_file():
         return target
+    cache_folder("gguf")
     try:
         import gguf as _gguf  # noqa: F401
     except ImportError as err:
         raise MissingDependencyError(
             "loading .gguf files needs the 'gguf' package: pip install 'dflash2[gguf]'"
         ) from err
-    target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target.parent / f"{target.name}.lock")):
         if (target / "config.json").is_file():  # another process converted it meanwhile
             return target
@@ -233,10 +253,11 @@ def load_safetensors(checkpoint: Path) -> dict[str, torch.Tensor]:
 def load_decoder(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> Decoder:
     spec = ModelSpec.from_hf_config(load_hf_config(checkpoint))
     tensors = load_safetensors(checkpoint)
+    check_weights(spec, tensors, str(checkpoint))
     try:
         return Decoder.from_hf_state(spec, tensors, dtype, device)
-    except KeyError as err:
-        raise UnsupportedModelError(
+    except KeyError as err:  # a mixture of experts' expert weights
+        raise CorruptCheckpointError(
             f"{checkpoint}: weight {err} is missing; the checkpoint is incomplete: download it again."
         ) from err
 

@@ -94,6 +94,8 @@ class Server:
             return json.loads(raw)
         except ValueError as err:
             raise APIError(400, f"the request body is not valid JSON: {err}") from None
+        except RecursionError:
+            raise APIError(400, "the request body nests JSON too deeply to be a request.") from None
 
     def _open(self, job: Job) -> Any:
         try:

@@ -115,22 +115,50 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
+_COUNTS = ("n", "best_of")  # integers: 1.0 or true are not a count
+ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
+
+
 def _known(body: Mapping[str, Any], accepted: tuple[str, ...]) -> None:
     for key, value in body.items():
         if key in accepted or key in _HARMLESS:
             continue
         if key in _NEUTRAL:
-            if value in (_NEUTRAL[key], None) or (key == "logit_bias" and value == {}) or value == []:
+            if _neutral(key, value):
                 continue
             raise APIError(400, f"'{key}' is not supported by dflash2 serve (only {_NEUTRAL[key]!r}).", key,
                            "unsupported_parameter")  # fmt: skip
         raise APIError(400, f"unrecognized request argument supplied: {key}", key, "unrecognized_argument")
 
 
+def _neutral(key: str, value: Any) -> bool:
+    """Whether ``value`` is the value of ``key`` that changes nothing, of the type OpenAI takes for it
+    (``n: true`` or ``n: 1.0`` is not ``n: 1``, ``tools: []`` is not an absent tool list)."""
+    neutral = _NEUTRAL[key]
+    if value is None:
+        return True
+    if key == "logit_bias":
+        return value == {}
+    if isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(neutral, int) and not isinstance(value, bool):
+        kinds: tuple[type, ...] = (int,) if key in _COUNTS else (int, float)
+        return isinstance(value, kinds) and value == neutral
+    return False
+
+
 def _message(message: Any, index: int) -> dict[str, str]:
     where = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise APIError(400, f"{where} must be an object with a string 'role'.", where)
+    role = message["role"]
+    if role not in ROLES:
+        tools = " (dflash2 serve has no tool calling)" if role in ("tool", "function") else ""
+        raise APIError(400, f"{where}.role is {role!r}; it must be one of {', '.join(ROLES)}{tools}.", f"{where}.role")
+    for key, value in message.items():  # name, tool_calls, ... would change the prompt: never dropped
+        if key not in ("role", "content") and value is not None:
+            raise APIError(400, f"{where}.{key} is not supported by dflash2 serve.", f"{where}.{key}",
+                           "unsupported_parameter")  # fmt: skip
     content = message.get("content")
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -138,7 +166,7 @@ def _message(message: Any, index: int) -> dict[str, str]:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise APIError(400, f"{where}.content must be a string or a list of text parts.", f"{where}.content")
-    return {"role": message["role"], "content": content}
+    return {"role": "system" if role == "developer" else role, "content": content}
 
 
 def _job(body: Mapping[str, Any], served: str, limits: Limits, prompt: Any, chat: bool) -> Job:
