@@ -121,7 +121,7 @@ def test_memory_stays_flat_through_the_server(paths: dict[str, Path]) -> None:
     try:
         while not server.started:
             time.sleep(0.05)
-        rounds = max(4, STREAMS // (2 * CONCURRENT))
+        rounds = max(4, STREAMS // CONCURRENT)
         for _ in range(2):
             asyncio.run(round_())
         marks = [rss_mib()]

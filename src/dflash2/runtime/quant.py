@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2.errors import InvalidOptionError
-from dflash2.runtime.linear import Linear
+from dflash2.runtime.linear import Linear, padded_product
 
 WeightFormat = Literal["same", "bf16", "int8", "int4"]  # "same": as loaded, no conversion
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("same", "bf16", "int8", "int4")
@@ -118,8 +118,8 @@ class HalfLinear(nn.Module):
         self.weight = nn.Parameter(weight.detach().to(torch.bfloat16), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # oneDNN kernels by row count: see linear.row_bucket
+        return padded_product(x.to(torch.bfloat16), lambda rows: F.linear(rows, self.weight, self.bias)).to(x.dtype)
 
 
 def quantize_linears(module: nn.Module, fmt: WeightFormat) -> nn.Module:
