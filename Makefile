@@ -19,7 +19,7 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/dflash2 demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff check src tests examples scripts
 	$(BIN)/mypy src
 
 test: lint

@@ -144,7 +144,6 @@ def test_four_concurrent_clients_get_their_own_answers(server: str, local: dflas
         ({"frobnicate": 1}, 400, "frobnicate"),
         ({"max_tokens": 65}, 400, "max_tokens"),
         ({"temperature": 3}, 400, "temperature"),
-        ({"model": "gpt-4"}, 404, "model"),
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),
         # values OpenAI refuses as well: a count of another type, an empty tool list, a false penalty
@@ -231,6 +230,20 @@ def test_protocol_defaults_and_limits() -> None:
     assert job.options["max_new_tokens"] == 8 and not job.chat  # OpenAI's 16, within the cap
     chat = parse_chat({"model": NAME, "messages": MESSAGES, "user": "u1", "n": 1, "logprobs": False}, NAME, Limits())
     assert chat.options == {"max_new_tokens": 1024, "temperature": 1.0, "top_p": 1.0}  # OpenAI's defaults
-    for bad in ({"max_tokens": 0}, {"max_body_bytes": -1}):
+    for bad in ({"max_tokens": 0}, {"max_body_bytes": -1}, {"strict_model_name": "yes"}):
         with pytest.raises(dflash2.InvalidOptionError):
             Limits(**bad)
+
+
+def test_any_model_name_gets_the_served_model_unless_strict(server: str) -> None:
+    from dflash2.serve import Limits
+    from dflash2.serve.protocol import APIError, parse_chat
+
+    body = {"model": "gpt-4o-mini", "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    reply = httpx.post(server + "/v1/chat/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["model"] == NAME
+    assert [m["id"] for m in httpx.get(server + "/v1/models").json()["data"]] == [NAME]
+    with pytest.raises(APIError) as refused:
+        parse_chat(body, NAME, Limits(strict_model_name=True))
+    assert refused.value.status == 404 and refused.value.param == "model" and NAME in refused.value.message

@@ -488,8 +488,14 @@ def test_refining_a_drafter_on_its_own_steps(target: Path, tmp_path: Path) -> No
 # ---------------------------------------------------------------- the GPU job, run small on the CPU
 
 
-def test_large_file_travels_in_checked_parts(tmp_path: Path) -> None:
-    from dflash2.bench.transfer import join, receive, split
+@pytest.fixture
+def gpu_scripts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The development scripts of scripts/gpu (not installed) importable, as they import each other."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
+
+
+def test_large_file_travels_in_checked_parts(tmp_path: Path, gpu_scripts: None) -> None:
+    from transfer import join, receive, split
 
     original = tmp_path / "model.gguf"
     original.write_bytes(bytes(range(256)) * 41)  # 10,496 bytes
@@ -509,8 +515,8 @@ def test_large_file_travels_in_checked_parts(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_gpu_training_job_runs_small_on_the_cpu(target: Path, tmp_path: Path) -> None:
-    from dflash2.bench.gpu_train import main
+def test_gpu_training_job_runs_small_on_the_cpu(target: Path, tmp_path: Path, gpu_scripts: None) -> None:
+    from train_job import main
 
     out = tmp_path / "out"
     args = ["--target", str(target), "--out", str(out), "--work", str(tmp_path / "work"), "--samples", "4"]

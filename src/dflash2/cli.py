@@ -160,7 +160,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise MissingDependencyError(why) from None
     drafters = args.drafter or []
     drafter: Any = None if not drafters else drafters[0] if len(drafters) == 1 else drafters
-    limits = Limits(max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes)  # checked before the load
+    limits = Limits(args.max_tokens, args.max_body_bytes, args.strict_model_name)  # checked before the load
     model = load(args.model, drafter=drafter, device=args.device, dtype=args.dtype, max_batch=args.max_batch)
     app = create_app(model, args.name, limits)
     print(f"serving {args.name or model.checkpoint.name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
@@ -284,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--drafter", action="append", help="'ngram', a drafter dir or hub id; twice ('ngram', then a model): hybrid"
     )
     serve.add_argument("--name", default=None, help="the model name clients ask for (default: the checkpoint's)")
+    serve.add_argument(
+        "--strict-model-name",
+        action="store_true",
+        help="refuse requests naming another model (404); by default any name gets the served model",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens allowed (and the default)")

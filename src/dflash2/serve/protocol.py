@@ -57,16 +57,21 @@ class APIError(Exception):
 
 @dataclass(frozen=True)
 class Limits:
-    """What the server allows: the ``max_tokens`` cap (also the default) and the body size."""
+    """What the server allows: the ``max_tokens`` cap (also the default), the body size, and
+    whether a request must name the served model (``strict_model_name``; by default any name is
+    served by the one model, as clients that send a fixed name such as ``gpt-4o-mini`` expect)."""
 
     max_tokens: int = 1024
     max_body_bytes: int = 1 << 20
+    strict_model_name: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "max_body_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidOptionError(f"{name} must be a positive int, got {value!r}.")
+        if not isinstance(self.strict_model_name, bool):
+            raise InvalidOptionError(f"strict_model_name must be a bool, got {self.strict_model_name!r}.")
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,7 @@ def _job(body: Mapping[str, Any], served: str, limits: Limits, prompt: Any, chat
     model = body.get("model")
     if not isinstance(model, str):
         raise APIError(400, "'model' is required.", "model")
-    if model != served:
+    if model != served and limits.strict_model_name:
         raise APIError(404, f"the model '{model}' does not exist; this server serves '{served}'.", "model",
                        "model_not_found")  # fmt: skip
     options: dict[str, Any] = {"max_new_tokens": _max_tokens(body, limits)}

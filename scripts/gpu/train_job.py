@@ -1,9 +1,9 @@
 """The prepared GPU training job: a new SmolLM2 DFlash drafter in one call of at most 10 minutes.
 
-Run on the lent device after SmolLM2's GGUF arrived there in parts (``dflash2.bench.transfer``;
-docs/training.md lists the calls)::
+A development script (not installed). Run on the GPU machine after SmolLM2's GGUF arrived there
+in parts (``transfer.py`` beside it; ``README.md`` here lists the calls)::
 
-    PYTHONPATH=src:.venv/lib/python3.11/site-packages python -m dflash2.bench.gpu_train \\
+    PYTHONPATH=src:.venv/lib/python3.11/site-packages python scripts/gpu/train_job.py \\
         --parts /tmp/dflash2-gpu --out "$OUT"
 
 It rebuilds the GGUF (sha256 checked), self-distils on the device (bf16, large generation
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transfer import join  # scripts/gpu/transfer.py, beside this script
 
 from dflash2.bench.harness import machine_info
-from dflash2.bench.transfer import join
 from dflash2.train import TrainConfig, train_drafter
 
 SHIPPED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -56,7 +56,7 @@ def summary(run: Path, drafter: Path, seconds: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash2.bench.gpu_train", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="scripts/gpu/train_job.py", description=__doc__.split("\n")[0])
     parser.add_argument("--parts", type=Path, default=Path("/tmp/dflash2-gpu"), help="where the GGUF's parts are")
     parser.add_argument("--target", default=None, help="a checkpoint instead of the GGUF rebuilt from --parts")
     parser.add_argument("--out", type=Path, required=True)

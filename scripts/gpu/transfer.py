@@ -1,12 +1,12 @@
-"""Carry a file larger than one transfer to the device machine in parts, checked by sha256.
+"""Carry a file larger than one transfer to a remote GPU machine in parts, checked by sha256.
 
-A call to the lent GPU carries at most 64 MiB with the working tree (about 35 MB), so SmolLM2's
-94 MiB GGUF goes in parts over consecutive calls; files written outside the repository there
-stay while the machine is warm::
+A development script (not installed). A call to the GPU machine carries at most 64 MiB with the
+working tree (about 35 MB), so SmolLM2's 94 MiB GGUF goes in parts over consecutive calls; files
+written outside the repository there stay while the machine is warm::
 
-    python -m dflash2.bench.transfer split FILE .gpu/parts --part-mib 27   # here, once
-    python -m dflash2.bench.transfer receive .gpu/parts /tmp/dflash2-gpu   # there, each call
-    python -m dflash2.bench.transfer join /tmp/dflash2-gpu FILE_OUT        # there, after the last
+    python scripts/gpu/transfer.py split FILE .gpu/parts --part-mib 27   # here, once
+    python scripts/gpu/transfer.py receive .gpu/parts /tmp/dflash2-gpu   # there, each call
+    python scripts/gpu/transfer.py join /tmp/dflash2-gpu FILE_OUT        # there, after the last
 
 ``split`` writes the parts and ``manifest.json`` (the file's and each part's sha256); ``receive``
 copies the parts present (each checked) next to the manifest; ``join`` rebuilds the file and
@@ -91,7 +91,7 @@ def join(store: Path, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash2.bench.transfer", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="scripts/gpu/transfer.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     cut = sub.add_parser("split")
     cut.add_argument("file", type=Path)

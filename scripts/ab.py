@@ -5,7 +5,7 @@ build's ``src`` and uses only the public API; drift of the shared machine hits e
 Outputs must be token-identical across builds. Example, against a checkout of an older commit::
 
     git worktree add /tmp/base <commit>
-    python -m dflash2.bench.ab --build base=/tmp/base/src --build head=src --out bench/results/ab.json
+    python scripts/ab.py --build base=/tmp/base/src --build head=src --out bench/results/ab.json
 """
 
 from __future__ import annotations
