@@ -19,6 +19,7 @@ import dflash2
 from dflash2.bench.data import humaneval, mtbench
 from dflash2.runtime.loader import resolve_checkpoint
 from dflash2.runtime.quant import QuantLinear
+from dflash2.tokenize import encode_prompt
 
 pytestmark = [pytest.mark.qwen_pair, pytest.mark.timeout(1800)]
 TOKENS = 32
@@ -54,8 +55,7 @@ def expected(plain: dflash2.Model, prompts: list[Any]) -> Iterator[list[list[int
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(plain.checkpoint, dtype=torch.float32).eval()
-    ids = [plain.tokenizer.apply_chat_template(p, add_generation_prompt=True) if isinstance(p, list) else
-           plain.tokenizer(p).input_ids for p in prompts]  # fmt: skip
+    ids = [encode_prompt(plain.tokenizer, p) for p in prompts]
     yield [hf_greedy(hf, i, TOKENS) for i in ids]
     del hf
 
