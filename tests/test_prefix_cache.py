@@ -13,6 +13,7 @@ from tiny import SPEC_PROMPTS, hf_greedy
 
 import dflash2
 from dflash2 import InvalidOptionError
+from dflash2.engine.draft_length import DraftLengthPolicy
 from dflash2.engine.prefix_cache import PrefixCache, Snapshot
 
 NEW = 24
@@ -49,7 +50,9 @@ def test_the_store_finds_the_longest_stored_prefix_and_stays_in_its_bound() -> N
     store.insert(_snapshot(list(range(60))))  # extends the first entry, which leaves
     assert len(store) == 2 and store.tokens == 73
     store.insert(_snapshot(list(range(100, 140))))  # over the bound: the least recently used goes
-    assert store.tokens <= 100 and store.lookup([*range(10), 99, 98, 1]) is None
+    assert store.tokens <= 100
+    hit = store.lookup([*range(10), 99, 98, 1])  # the 13-token entry (12 shared) left; the 60 shares 10
+    assert hit is not None and hit.length == 10 and len(hit.snapshot) == 60
     store.insert(_snapshot(list(range(500, 700))))  # longer than the whole store: cut to it
     assert store.tokens == 100
     assert PrefixCache(0).lookup([1, 2, 3]) is None
@@ -95,17 +98,25 @@ def test_a_hit_keeps_a_seeded_sample(name: str, paths: dict[str, Path]) -> None:
     assert hit.token_ids == cold.generate(second, max_new_tokens=NEW, **options).token_ids
 
 
-def test_the_stored_state_is_a_cold_prefills_bit_for_bit(paths: dict[str, Path]) -> None:
+def test_the_stored_state_is_a_cold_prefills(paths: dict[str, Path]) -> None:
+    """The stored prompt rows are a cold prefill's bit for bit; the verified blocks' rows agree with
+    a cold prefill of the whole text to fp32 rounding, as any two row counts of one forward do."""
     model = dflash2.load(paths["target"], drafter=paths["target"], drafter_weights="same")
+    model.lengths = DraftLengthPolicy(mode="fixed")  # whole blocks (the policy would not draft with so dear a drafter)
     model.generate(SPEC_PROMPTS[2], max_new_tokens=40)  # prefill, then verify blocks of several rows
     (entry,) = model.prefixes.snapshots()
-    assert len(entry) > len(model.tokenizer(SPEC_PROMPTS[2]).input_ids)  # verified blocks kept too
+    prompt = len(model.tokenizer(SPEC_PROMPTS[2]).input_ids)
+    assert len(entry) > prompt  # verified blocks kept too
     ids = torch.tensor([entry.tokens])
-    cache = model.target.new_cache(len(entry.tokens))
-    with torch.no_grad():
-        model.target(ids, cache, logits="none")
-    assert torch.equal(cache.k[:, 0, :, : len(entry)], entry.keys)
-    assert torch.equal(cache.v[:, 0, :, : len(entry)], entry.values)
+    for rows in (prompt, len(entry)):
+        cache = model.target.new_cache(len(entry.tokens))
+        with torch.no_grad():
+            model.target(ids[:, :rows], cache, logits="none")
+        for cold, stored in ((cache.k, entry.keys), (cache.v, entry.values)):
+            if rows == prompt:
+                assert torch.equal(cold[:, 0, :, :rows], stored[:, :, :rows])
+            else:
+                torch.testing.assert_close(cold[:, 0, :, :rows], stored, rtol=1e-5, atol=1e-5)
 
 
 def test_plain_decoding_stores_its_prompt_only(paths: dict[str, Path]) -> None:

@@ -5,11 +5,13 @@ for recently finished (or cancelled) requests, the target's keys and values of t
 text, the target features a DFlash drafter reads, and the drafter's own state where it has one;
 a new request takes the longest stored prefix of its prompt and prefills only the rest.
 
-Exactness: a stored position is only reused where the state a cold prefill would compute for it
-is the same, bit for bit. Positions computed by a forward over two or more rows are (a row's
-projections and attention do not depend on the rows beside it or behind the causal mask); a
-one-row forward (plain decoding, a step that drafted nothing) may take another kernel, so a
-request stores its state only up to the first such position (:attr:`Request.exact`).
+Exactness: a request stores its state only as far as it was computed by forwards over several
+rows (the prompt's prefill, verify blocks; :attr:`Request.exact`): a one-row forward (plain
+decoding, a step that drafted nothing) takes other kernels. The stored prompt rows are a cold
+prefill's bit for bit; rows of later blocks agree with a cold prefill of the whole text to fp32
+rounding (a matrix product's kernel depends on its row count), the same difference speculative
+verification already makes against one-token decoding, so greedy output with a hit equals a cold
+run's (tested for every drafter, sync and async, batched, and seeded sampling).
 
 Entries are immutable copies: a hit copies the state into the new request's own cache, so an
 entry in use is never written, and evicting one never touches a running request. The store holds
@@ -131,10 +133,13 @@ class PrefixCache:
             snapshot = _cut(snapshot, self.capacity)
         with self._lock:
             for entry in self._entries:
-                if _shared(entry.snapshot.tokens, snapshot.tokens, len(snapshot)) == len(snapshot) and (
-                    snapshot.drafter is None or entry.snapshot.drafter is not None
+                held = entry.snapshot
+                if (
+                    _shared(held.tokens, snapshot.tokens, len(snapshot)) == len(snapshot)
+                    and (snapshot.features is None or held.features is not None)
+                    and (snapshot.drafter is None or held.drafter is not None)
                 ):
-                    entry.used = next(self._clock)  # already held, as long or longer
+                    entry.used = next(self._clock)  # already held, as long or longer, with as much
                     return
             self._entries = [
                 e for e in self._entries
