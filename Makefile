@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 EXTRA_PIP ?=
 
-.PHONY: demo test test-qwen lint bench bench-qwen docs clean
+.PHONY: demo test test-qwen lint bench bench-qwen bench-conversation docs clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,14 @@ bench-qwen: $(STAMP)
 		--sweep-config dflash2-hybrid-sync --block-sizes 3,5,9,13
 	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-sweep-ngram --limit 4 --sweep block-size \
 		--sweep-config dflash2-ngram-sync --block-sizes 3,5,9,13
+
+# an 8-turn agent conversation with and without the prefix cache, beside llama.cpp's prompt cache
+bench-conversation: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench --conversation dflash2,dflash2-hybrid-sync --max-new-tokens 64 \
+		--dflash-drafter drafters/smollm2-135m-instruct-dflash --section conversation \
+		--llama-cpp "$$($(BIN)/python scripts/llama_cpp.py)"
+	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --conversation dflash2,dflash2-ar-sync --max-new-tokens 64 \
+		--section qwen-conversation --llama-cpp "$$($(BIN)/python scripts/llama_cpp.py)"
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -60,7 +60,7 @@ def main() -> None:
         {"role": "system", "content": "Answer from the documents, quoting them where you can."},
         {"role": "user", "content": f"{context}\n\nQuestion: {QUESTION}"},
     ]
-    plain = dflash2.load(smollm2_gguf())
+    plain = dflash2.load(smollm2_gguf(), prefix_cache=0)  # both runs prefill the prompt, for a fair comparison
     drafter = shipped_drafter()
     hybrid = plain.with_drafter(["ngram", drafter] if drafter else "ngram")
     for model in (plain, hybrid):  # warm-up

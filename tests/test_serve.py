@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 import dflash2
+from dflash2.tokenize import encode_prompt
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
@@ -116,6 +117,19 @@ def test_a_disconnect_frees_the_stream(server: str) -> None:
     while httpx.get(server + "/health").json()["active_streams"] != 0:
         assert time.monotonic() < deadline, "the stream outlived its client"
         time.sleep(0.05)
+
+
+def test_a_next_turn_reuses_the_cached_prefix(server: str, paths: dict[str, Path]) -> None:
+    cold = dflash2.load(paths["target"], drafter="ngram", prefix_cache=0)
+    client = _client(server)
+    first = [{"role": "user", "content": "Tell me about the quick brown fox and the lazy dog."}]
+    answer = client.chat.completions.create(model=NAME, messages=first, max_tokens=16, temperature=0)
+    second = [*first, {"role": "assistant", "content": answer.choices[0].message.content},
+              {"role": "user", "content": "And then?"}]  # fmt: skip
+    reply = client.chat.completions.create(model=NAME, messages=second, max_tokens=16, temperature=0)
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert cached >= len(encode_prompt(cold.tokenizer, first)) - 1
+    assert reply.choices[0].message.content == cold.generate(second, max_new_tokens=16).text
 
 
 def test_four_concurrent_clients_get_their_own_answers(server: str, local: dflash2.Model) -> None:

@@ -36,6 +36,7 @@ from dflash2.engine import (
     ResidentPipeline,
     SyncPipeline,
 )
+from dflash2.engine.prefix_cache import PrefixCache
 from dflash2.errors import ContextLengthError, InvalidOptionError, StreamStateError
 from dflash2.runtime.device import resolve_device, resolve_dtype
 from dflash2.runtime.graphs import MAX_BUCKET, DecoderPool, buckets_up_to
@@ -62,8 +63,11 @@ class Model:
         graphs: GraphConfig | None = None,
         steps: DecoderPool | None = None,
         max_batch: int = 8,
+        prefixes: PrefixCache | None = None,
     ) -> None:
         self.target = target
+        # requests' state left for later ones that start the same way (shared with with_drafter's models)
+        self.prefixes = prefixes if prefixes is not None else PrefixCache(0)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.name = name
@@ -118,7 +122,7 @@ class Model:
             release_thread_pool()
         model = Model(
             self.target, self.tokenizer, self.eos_token_ids, self.name, self.checkpoint, chosen, self.workers,
-            self.graphs, self.steps, self.batcher.max_batch,
+            self.graphs, self.steps, self.batcher.max_batch, self.prefixes,
         )  # fmt: skip
         if model.graph_mode == "cuda":
             model.warmup()
@@ -194,7 +198,9 @@ class Model:
         lengths = None
         if self.drafter is not None:  # a seeded sample must not depend on timing: it keeps the full length
             lengths = self.lengths.start(fixed=not sampling.greedy and sampling.seed is not None)
-        request = Request(self.target, prompt_ids, config, sampling, self.drafter, self.steps, lengths)
+        request = Request(
+            self.target, prompt_ids, config, sampling, self.drafter, self.steps, lengths, self.prefixes
+        )
         source: TokenSource
         if config.pipeline == "sync":
             source = SyncPipeline(request, self.batcher)
@@ -321,6 +327,7 @@ def load(
     drafter_weights: str = "auto",
     graphs: GraphConfig | GraphMode = "auto",
     max_batch: int = 8,
+    prefix_cache: int = 4096,
 ) -> Model:
     """Load a target model from a hub id, a local directory or a ``.gguf`` file, and a drafter.
 
@@ -333,10 +340,13 @@ def load(
     a small causal LM on the CPU, else the same as the target. ``graphs``: CUDA graphs (``"cuda"``, the
     default on CUDA, captured at load), eager forwards (``"off"``, the default on the CPU), or a
     :class:`GraphConfig`. ``max_batch``: the most concurrent streams whose steps share one target
-    forward (see ``engine.batch``).
+    forward (see ``engine.batch``). ``prefix_cache``: tokens of finished requests' state kept for
+    later requests that start the same way (a chat's or an agent's next turn prefills only what is
+    new); 0 turns it off.
     """
     if not isinstance(max_batch, int) or isinstance(max_batch, bool) or not 1 <= max_batch <= 256:
         raise InvalidOptionError(f"max_batch must be an int in [1, 256], got {max_batch!r}.")
+    prefixes = PrefixCache(prefix_cache)  # checks the option before anything loads
     if not isinstance(target, (str, os.PathLike)):
         raise InvalidOptionError(f"target must be a hub id or a path, not {type(target).__name__}.")
     if block_size is not None:
@@ -355,8 +365,9 @@ def load(
         eos = load_eos_ids(checkpoint, decoder.spec)
         name = Path(str(target)).name or str(target)
         model = Model(
-            decoder, tokenizer, eos, name=name, checkpoint=checkpoint, graphs=graph_config, max_batch=max_batch
-        )
+            decoder, tokenizer, eos, name=name, checkpoint=checkpoint, graphs=graph_config, max_batch=max_batch,
+            prefixes=prefixes,
+        )  # fmt: skip
         return model.with_drafter(drafter, block_size, drafter_weights)
     finally:
         release_thread_pool()  # generation computes on dflash2's own threads (see runtime.workers)

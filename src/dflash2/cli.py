@@ -45,7 +45,7 @@ def _demo_models(name: str, device: str) -> tuple[Model, dict[str, Any]]:
         drafters: dict[str, Any] = {"ngram": "ngram"}
         if shipped is not None:
             drafters = {"ngram + dflash (shipped)": ["ngram", shipped], "dflash (shipped)": shipped, **drafters}
-        return load(smollm2_gguf(), device=device), drafters
+        return load(smollm2_gguf(), device=device, prefix_cache=0), drafters
     size = (QWEN_CODER_1_5B.size + QWEN_CODER_0_5B.size) / 1e9
     print(
         f"Qwen2.5-Coder-1.5B-Instruct drafted by its 0.5B sibling: {size:.1f} GB of GGUF files, fetched from the "
@@ -53,7 +53,9 @@ def _demo_models(name: str, device: str) -> tuple[Model, dict[str, Any]]:
         "cached; later runs start in seconds ..."
     )
     target, drafter = qwen_coder_pair()
-    return load(target, device=device), {"0.5B drafter (int4)": drafter, "ngram + 0.5B drafter": ["ngram", drafter]}
+    # the same prompt runs once per drafter: each run prefills it anew, as the first did
+    drafters = {"0.5B drafter (int4)": drafter, "ngram + 0.5B drafter": ["ngram", drafter]}
+    return load(target, device=device, prefix_cache=0), drafters
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -161,7 +163,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     drafters = args.drafter or []
     drafter: Any = None if not drafters else drafters[0] if len(drafters) == 1 else drafters
     limits = Limits(args.max_tokens, args.max_body_bytes, args.strict_model_name)  # checked before the load
-    model = load(args.model, drafter=drafter, device=args.device, dtype=args.dtype, max_batch=args.max_batch)
+    model = load(
+        args.model, drafter=drafter, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
+        prefix_cache=args.prefix_cache,
+    )  # fmt: skip
     app = create_app(model, args.name, limits)
     print(f"serving {args.name or model.checkpoint.name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -294,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens allowed (and the default)")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="the largest request body")
     serve.add_argument("--max-batch", type=int, default=8, help="streams per shared target forward")
+    serve.add_argument(
+        "--prefix-cache", type=int, default=4096, help="tokens of requests' state kept for next turns (0: off)"
+    )
     serve.add_argument("--device", default="auto")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--log-level", default="info")

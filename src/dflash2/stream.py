@@ -40,6 +40,7 @@ class Stats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     steps: int = 0
+    cached_tokens: int = 0  # prompt tokens whose state came from the prefix cache (not prefilled)
     drafted_tokens: int = 0  # draft tokens verified (accepted or not)
     acceptance_lengths: tuple[int, ...] = ()
     time_to_first_token_s: float = 0.0
@@ -50,6 +51,11 @@ class Stats:
     bubble: float = 0.0
     predraft_hits: int = 0
     batch_sizes: tuple[int, ...] = ()  # per step: the streams whose steps ran in that target forward
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens the target ran (the rest came from the prefix cache)."""
+        return self.prompt_tokens - self.cached_tokens
 
     @property
     def mean_batch_size(self) -> float:
@@ -84,6 +90,7 @@ class EngineCounters:
     """What the engine measures while it runs; the stream adds the timing it sees."""
 
     steps: int = 0
+    cached_tokens: int = 0
     drafted_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
     draft_s: float = 0.0  # all drafting compute
@@ -280,6 +287,7 @@ class TokenStream:
             bubble=c.bubble,
             predraft_hits=c.predraft_hits,
             drafted_tokens=c.drafted_tokens,
+            cached_tokens=c.cached_tokens,
             batch_sizes=tuple(c.batch_sizes),
         )
 

@@ -102,7 +102,7 @@ def exactness(work: Path, device: str, modes: tuple[str, ...]) -> dict[str, str]
     expected: list[list[int]] = []
     results = {}
     for mode in modes:
-        model = load(path, device=device, dtype="float32", graphs=mode)  # type: ignore[arg-type]
+        model = load(path, device=device, dtype="float32", graphs=mode, prefix_cache=0)  # type: ignore[arg-type]
         if not expected:
             with torch.inference_mode():
                 for prompt in PROMPTS:
@@ -178,7 +178,7 @@ def timing(
     hf = hf.to(device).eval()
     for mode in modes:
         started = time.perf_counter()
-        model = load(target, device=device, dtype=dtype, graphs=mode)  # type: ignore[arg-type]
+        model = load(target, device=device, dtype=dtype, graphs=mode, prefix_cache=0)  # type: ignore[arg-type]
         loaded = time.perf_counter() - started
         ids = [model.tokenizer(p).input_ids for p in PROMPTS]
         if hf is not None:
@@ -211,7 +211,7 @@ def concurrency(
     references: dict[str, tuple[int, ...]] = {}
     levels = []
     for mode in modes:
-        model = load(target, device=device, dtype=dtype, graphs=mode)  # type: ignore[arg-type]
+        model = load(target, device=device, dtype=dtype, graphs=mode, prefix_cache=0)  # type: ignore[arg-type]
         if not references:
             references = {p.id: model.generate(p.prompt, max_new_tokens=max_new_tokens).token_ids for p in prompts}
         for streams in (1, 2, 4, 8):

@@ -21,6 +21,14 @@ from dflash2.bench.concurrency import (
     transformers_level,
     write_levels_json,
 )
+from dflash2.bench.conversation import (
+    TURNS,
+    Turn,
+    conversation_table,
+    dflash2_conversation,
+    llama_conversation,
+    write_conversation_json,
+)
 from dflash2.bench.curve import (
     CurvePoint,
     acceptance_curve,
@@ -56,6 +64,7 @@ from dflash2.bench.sweep import (
 )
 from dflash2.engine.draft_length import DraftLengthPolicy
 from dflash2.engine.policy import OverlapPolicy, Schedule
+from dflash2.engine.prefix_cache import PrefixCache
 from dflash2.runtime.loader import resolve_checkpoint
 from dflash2.runtime.workers import release_thread_pool
 from dflash2.tokenize import encode_prompt
@@ -201,6 +210,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--training-curve", type=Path, default=None, help="a train-drafter run dir: acceptance of each kept checkpoint"
     )
+    talk = parser.add_argument_group("multi-turn agent conversation (runs instead of the matrix)")
+    talk.add_argument(
+        "--conversation", default=None, help="dflash2 configurations to run the 8-turn conversation with, e.g. "
+        "dflash2,dflash2-ar-sync: each with and without its prefix cache (and llama.cpp with --llama-cpp)",
+    )  # fmt: skip
+    talk.add_argument("--prefix-cache", type=int, default=4096, help="prefix cache tokens of the cached runs")
     concurrent = parser.add_argument_group("concurrency sweep (runs instead of the matrix)")
     concurrent.add_argument("--concurrency", default=None, help="numbers of concurrent streams, e.g. 1,2,4,8")
     concurrent.add_argument(
@@ -214,13 +229,13 @@ def _ints(text: str) -> list[int]:
 
 def main(args: argparse.Namespace) -> list[Row]:
     configs = [c.strip() for c in args.configs.split(",")]
-    special = args.sweep or args.training_curve or args.predraft_ablation or args.concurrency
+    special = args.sweep or args.training_curve or args.predraft_ablation or args.concurrency or args.conversation
     if not special and "transformers" not in configs:
         raise SystemExit("every row is checked against transformers plain greedy: add 'transformers' to --configs")
     if args.threads:
         torch.set_num_threads(args.threads)
     source: Any = _model_path(args.model or "smollm2-135m")
-    model = load(source, device="cpu")
+    model = load(source, device="cpu", prefix_cache=0)  # every prompt prefilled anew, as in every peer
     drafters = {"ngram": "ngram", "ar": _model_path(args.ar_drafter), "dflash": args.dflash_drafter}
     # the hybrid: prompt lookup first, then the DFlash drafter (or else the small LM)
     model_drafter, model_kind = (drafters["dflash"], "dflash") if args.dflash_drafter else (drafters["ar"], "ar")
@@ -231,6 +246,9 @@ def main(args: argparse.Namespace) -> list[Row]:
         return [p.row for p in sweep_main(args, model, source, drafters, block_sizes)]
     if args.concurrency:
         concurrency_main(args, model, source, drafters, block_sizes)
+        return []
+    if args.conversation:
+        conversation_main(args, model, source, drafters, block_sizes)
         return []
     if args.training_curve is not None or args.predraft_ablation is not None:
         curve_main(args, model, source)
@@ -481,6 +499,62 @@ def concurrency_main(
     return levels
 
 
+def conversation_main(
+    args: argparse.Namespace, model: Model, source: Any, drafters: dict[str, Any], block_sizes: dict[str, int | None]
+) -> list[Turn]:
+    """``--conversation``: the 8-turn agent conversation, with and without the prefix cache."""
+    configs = [c.strip() for c in args.conversation.split(",")]
+    runners = build_runners(model, configs, drafters, block_sizes, args.schedule, args.drafter_weights)
+    turns: list[Turn] = []
+    identical: dict[str, bool] = {}
+    for runner in runners:
+        assert isinstance(runner, DFlash2Runner)
+        cold = runner.model.with_drafter(runner.model.drafter)  # the same drafter object: same state and policy
+        cold.lengths, cold.policy = runner.model.lengths, runner.model.policy
+        warm = runner.model.with_drafter(runner.model.drafter)
+        warm.lengths, warm.policy = runner.model.lengths, runner.model.policy
+        warm.prefixes = PrefixCache(args.prefix_cache)
+        dflash2_conversation(warm, "warm-up", 8, TURNS[:2])  # kernels and threads, then a fresh cache
+        warm.prefixes = PrefixCache(args.prefix_cache)
+        with_cache = dflash2_conversation(warm, f"{runner.name} + prefix cache", args.max_new_tokens)
+        without = dflash2_conversation(cold, runner.name, args.max_new_tokens)
+        identical[runner.name] = [t.text for t in with_cache] == [t.text for t in without]
+        turns += without + with_cache
+        if not args.no_progress:
+            print(f"{runner.name}: turn 8 time to first token {without[-1].time_to_first_token_s:.3f} s without "
+                  f"the cache, {with_cache[-1].time_to_first_token_s:.3f} s with it", flush=True)  # fmt: skip
+    gguf = Path(str(source)) if str(source).endswith(".gguf") else None
+    if args.llama_cpp is not None and gguf is not None:
+        runner_ = _llama_cpp_runner("llama.cpp", args.llama_cpp, gguf, None)
+        try:
+            llama_conversation(runner_, model, "warm-up", 8, False, TURNS[:1])
+            turns += llama_conversation(runner_, model, "llama.cpp", args.max_new_tokens, cache=False)
+            turns += llama_conversation(runner_, model, "llama.cpp + prompt cache", args.max_new_tokens, cache=True)
+        finally:
+            runner_.close()
+    machine = machine_info()
+    settings = {"model": str(source), "max_new_tokens": args.max_new_tokens, "configs": configs,
+                "prefix_cache": args.prefix_cache, "identical_with_and_without_cache": identical}  # fmt: skip
+    section = args.section or "conversation"
+    json_path = write_conversation_json(
+        args.out / f"{section}-{time.strftime('%Y%m%d-%H%M%S')}.json", machine, settings, turns
+    )
+    same = ", ".join(f"{name}: {'identical' if ok else 'NOT IDENTICAL'}" for name, ok in identical.items())
+    body = [
+        _measured(machine, source, f"8 turns, up to {args.max_new_tokens} new tokens each"),
+        "",
+        "Command: `dflash2 bench " + " ".join(_cli_args(args)) + "`. Every turn's text with the prefix cache "
+        f"against without it ({same}).",
+        "",
+        conversation_table(turns),
+        "",
+        f"Raw results: `{json_path}`.",
+    ]
+    update_section(args.doc, section, "\n".join(body))
+    print(conversation_table(turns))
+    return turns
+
+
 def curve_main(args: argparse.Namespace, model: Model, source: Any) -> list[CurvePoint]:
     """``--training-curve RUN``: tokens per target forward of each kept checkpoint of a training run."""
     prompts = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
@@ -548,6 +622,8 @@ def _cli_args(args: argparse.Namespace) -> list[str]:
         out.append(f"--predraft-ablation {args.predraft_ablation}")
     elif args.concurrency:
         out += [f"--concurrency {args.concurrency}", f"--concurrency-configs {args.concurrency_configs}"]
+    elif args.conversation:
+        out += [f"--conversation {args.conversation}", f"--prefix-cache {args.prefix_cache}"]
     else:
         out.append(f"--configs {args.configs}")
     if args.schedule != "auto":

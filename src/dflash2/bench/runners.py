@@ -163,9 +163,15 @@ class LlamaServerRunner:
         raise RuntimeError(f"llama-server did not become ready in {timeout_s:.0f} s")
 
     def run(self, prompt: Any, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
+        return self.complete(prompt_ids, max_new_tokens)[0]
+
+    def complete(
+        self, prompt_ids: list[int], max_new_tokens: int, cache_prompt: bool = False
+    ) -> tuple[RunResult, dict[str, Any]]:
+        """One greedy completion; with the server's timings (``cache_n``: prompt tokens it reused)."""
         body = {
             "prompt": prompt_ids, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1, "seed": 0,
-            "cache_prompt": False, "return_tokens": True, "stream": False,
+            "cache_prompt": cache_prompt, "return_tokens": True, "stream": False,
         }  # fmt: skip
         start = time.perf_counter()
         status, out = self._request("POST", "/completion", body)
@@ -180,8 +186,9 @@ class LlamaServerRunner:
             steps = max(1, len(tokens) - int(accepted or 0))
             share, extra = divmod(len(tokens), steps)
             lengths = [share + 1] * extra + [share] * (steps - extra)
-        return RunResult(tokens, seconds, time_to_first_token_s=timings.get("prompt_ms", 0.0) / 1e3,
-                         acceptance_lengths=lengths)  # fmt: skip
+        result = RunResult(tokens, seconds, time_to_first_token_s=timings.get("prompt_ms", 0.0) / 1e3,
+                           acceptance_lengths=lengths)  # fmt: skip
+        return result, timings
 
     def close(self) -> None:
         if self._server.poll() is None:

@@ -11,6 +11,8 @@ drafter was of the token.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dflash2.config import SamplingConfig
@@ -20,6 +22,15 @@ from dflash2.runtime.graphs import MAX_BUCKET, DecoderPool, Slot, StepMode
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.model import Decoder
 from dflash2.sampling import probabilities, sample
+
+
+@dataclass(frozen=True)
+class DraftState:
+    """What an autoregressive session leaves for a later request: its cache over ``tokens``."""
+
+    tokens: tuple[int, ...]
+    keys: torch.Tensor  # [layers, kv_heads, T, head_dim]
+    values: torch.Tensor
 
 
 class AutoregressiveDrafter:
@@ -80,8 +91,31 @@ class AutoregressiveSession:
         self._cache: KVCache | None = self._slot.cache if self._slot is not None else self._model.new_cache(capacity)
         self._seq: list[int] = [*context.prompt_ids, context.first_token]
         self._cached: list[int] = []
+        self._exact = 0  # cached tokens fed the way a cold start feeds them (several at a time, eagerly)
         self._proposal: list[int] = []
         self._pre: PreDraft | None = None
+        if isinstance(context.resume, DraftState) and self._slot is None:
+            self._resume(context.resume)
+
+    def _resume(self, state: DraftState) -> None:
+        """Start from the state an earlier session left for a text this one's starts with."""
+        assert self._cache is not None
+        n = min(len(state.tokens), len(self._seq) - 1)  # the last token is fed to get logits
+        common = next((i for i in range(n) if state.tokens[i] != self._seq[i]), n)
+        if common == 0:
+            return
+        self._cache.k[:, 0, :, :common] = state.keys[:, :, :common]
+        self._cache.v[:, 0, :, :common] = state.values[:, :, :common]
+        self._cache.advance(common)
+        self._cached = self._seq[:common]
+        self._exact = common
+
+    def snapshot(self) -> DraftState | None:
+        """The exact part of the draft cache (see ``Resumable``), or ``None``."""
+        if self._cache is None or self._exact == 0 or self._slot is not None:
+            return None
+        n, cache = self._exact, self._cache
+        return DraftState(tuple(self._cached[:n]), cache.k[:, 0, :, :n].clone(), cache.v[:, 0, :, :n].clone())
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Restrict (or pad) the drafter's logits to the target's vocabulary size."""
@@ -103,6 +137,8 @@ class AutoregressiveSession:
             logits = self._model(ids[None], self._cache, logits="last").logits
             assert logits is not None
             last = logits[0, -1]
+            if len(tokens) >= 2 and self._exact == len(self._cached):
+                self._exact += len(tokens)  # a one-row forward may take other kernels than a prefill
         self._cached.extend(tokens)
         return self._fit_vocab(last)
 
@@ -119,6 +155,7 @@ class AutoregressiveSession:
             common += 1
         self._cache.rollback(common)
         del self._cached[common:]
+        self._exact = min(self._exact, common)
         logits = self._feed(context[common:])
         tokens: list[int] = []
         rows: list[torch.Tensor] = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -70,6 +70,9 @@ class DraftContext:
     # a drafter that drafts token by token asks after each token (the count so far, the drafter's
     # probability of the last) whether another one pays; ``None``: draft as many as asked
     keep_drafting: Callable[[int, float], bool] | None = None
+    # what :meth:`Resumable.snapshot` of an earlier session of this drafter left, for a request
+    # whose prompt starts as that session's text did (the prefix cache); ``None``: start cold
+    resume: Any = None
 
 
 class DraftSession(Protocol):
@@ -146,6 +149,19 @@ class PreDrafting(Protocol):
         ...
 
     def predraft(self, max_tokens: int) -> PreDraft | None: ...
+
+
+@runtime_checkable
+class Resumable(Protocol):
+    """Sessions whose state a later request with the same prefix can start from (the prefix cache).
+
+    ``snapshot`` is called when the request ends, with no phase running; what it returns comes back
+    as ``DraftContext.resume`` to a later session of the same drafter, whose prompt may share only
+    part of the text the snapshot covers. The session must come out as a cold one would (the
+    snapshot holds only state computed the way a cold start computes it).
+    """
+
+    def snapshot(self) -> Any: ...
 
 
 @runtime_checkable

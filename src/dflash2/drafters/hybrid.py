@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from dflash2.drafters.base import (
     MODEL_SOURCE,
@@ -24,6 +25,7 @@ from dflash2.drafters.base import (
     Outcome,
     PreDraft,
     PreDrafting,
+    Resumable,
     StaticStepping,
     drafter_context,
 )
@@ -156,6 +158,10 @@ class HybridSession:
         hit = pre is not None and pre.matches(outcome, self._proposed)
         self._from_model = hit
         self._proposed = len(pre.draft) if pre is not None and hit else 0
+
+    def snapshot(self) -> Any:
+        """The model drafter's state for the prefix cache (the lookup rebuilds its index from the text)."""
+        return self._model.snapshot() if isinstance(self._model, Resumable) else None
 
     def close(self) -> None:
         self._lookup.close()

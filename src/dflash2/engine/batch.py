@@ -185,9 +185,9 @@ class Batcher:
         return drafts
 
     @staticmethod
-    def _forward(live: list[tuple[_Step, Draft | None, torch.Tensor]]) -> list[ForwardOutput]:
+    def _forward(live: list[tuple[_Step, Draft | None, torch.Tensor]]) -> tuple[list[ForwardOutput], bool]:
         """The packed target forward of ``live``: the pool's static step when every block is a
-        verify block on a slot of one pool (a CUDA graph on CUDA), else eager."""
+        verify block on a slot of one pool (a CUDA graph on CUDA), else eager; and whether it was eager."""
         first = live[0][0].request
         pool = first.steps
         slotted: list[tuple[Slot, torch.Tensor]] = []
@@ -199,8 +199,8 @@ class Batcher:
             if draft is not None and r.slot is not None and r.steps is pool and len(ids) <= MAX_BUCKET:
                 slotted.append((r.slot, ids))
         if pool is not None and len(slotted) == len(live):
-            return pool.forward_packed(slotted, first.capture)
-        return first.target.forward_packed(blocks, first.capture)
+            return pool.forward_packed(slotted, first.capture), False
+        return first.target.forward_packed(blocks, first.capture), True
 
     @staticmethod
     def _together(steps: list[_Step]) -> None:
@@ -220,7 +220,7 @@ class Batcher:
             return
         start = time.perf_counter()
         try:
-            outs = Batcher._forward(live)
+            outs, eager = Batcher._forward(live)
         except Exception as err:
             for s, _, _ in live:
                 s.error = err
@@ -240,6 +240,6 @@ class Batcher:
                     s.emitted = r.prefilled(out.logits[0, -1], hidden)
                 else:
                     r.counters.verify_s += seconds
-                    s.emitted = r.settle(draft, Verified(out.logits[0], hidden), len(live))[0]
+                    s.emitted = r.settle(draft, Verified(out.logits[0], hidden, eager), len(live))[0]
             except Exception as err:
                 s.error = err

@@ -13,6 +13,11 @@ fits): the prefill runs eagerly into the slot's cache, every verify forward as t
 step (a CUDA graph on CUDA), or beside other slots' blocks as the pool's packed step, see
 ``runtime.graphs``.
 
+With a ``PrefixCache`` the prefill starts from the stored state of the longest prefix of the
+prompt another request left (target keys and values, target features, the drafter's state) and
+runs only the rest; when the request ends its own state goes back to the store, as far as it is
+exact (:attr:`Request.exact`, see ``engine.prefix_cache``).
+
 The engines only decide what runs when (and what runs at the same time). Each phase runs
 through :meth:`Request.use`, so a close from the event loop never frees state a worker is using:
 it takes effect at once when no phase runs, else when the running ones end.
@@ -25,13 +30,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from dflash2.config import GenerationConfig, SamplingConfig
-from dflash2.drafters.base import MODEL_SOURCE, Draft, DraftContext, Drafter, DraftSession, MixedDrafting, Outcome
+from dflash2.drafters.base import (
+    MODEL_SOURCE,
+    Draft,
+    DraftContext,
+    Drafter,
+    DraftSession,
+    MixedDrafting,
+    Outcome,
+    Resumable,
+)
 from dflash2.engine.draft_length import DraftLength
+from dflash2.engine.prefix_cache import PrefixCache, Snapshot, drafter_entry
 from dflash2.errors import DrafterError
 from dflash2.runtime.graphs import DecoderPool, Slot
 from dflash2.runtime.kv_cache import KVCache
@@ -74,10 +89,12 @@ def check_draft(draft: object, wanted: int, vocab: int, drafter: str) -> None:
 
 @dataclass(frozen=True)
 class Verified:
-    """Target output for a verified block: logits [k + 1, vocab], features [k + 1, F] or None."""
+    """Target output for a verified block: logits [k + 1, vocab], features [k + 1, F] or None.
+    ``eager``: computed by an eager forward (a static step attends otherwise: see ``Request.exact``)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor | None
+    eager: bool = True
 
 
 class Request:
@@ -92,8 +109,10 @@ class Request:
         drafter: Drafter | None,
         steps: DecoderPool | None = None,
         lengths: DraftLength | None = None,
+        prefixes: PrefixCache | None = None,
     ) -> None:
         self.target = target
+        self.prefixes = prefixes
         self.lengths = lengths  # how far to draft each step (None: as far as the block allows)
         self.drafter = drafter
         self.counters = EngineCounters()
@@ -115,6 +134,12 @@ class Request:
         self.closed = False
         self._lock = threading.Lock()
         self._phases = 0  # phases running now (in worker threads)
+        # the prefix cache: the verified text, how much of its state is exact, its target features
+        self.text: list[int] = list(prompt_ids)
+        self.exact = 0
+        self.cached_tokens = 0  # prompt tokens whose state came from the prefix cache
+        self._features: list[torch.Tensor] = []
+        self._resume: Any = None  # the drafter's stored state, for its session
 
     @property
     def steps(self) -> DecoderPool | None:
@@ -166,14 +191,36 @@ class Request:
             self._free()
 
     def _free(self) -> None:
-        session, self.session, self.cache = self.session, None, None
-        slot, self.slot = self.slot, None
         try:
-            if session is not None:
-                session.close()
+            self._store()
         finally:
-            if slot is not None and self._steps is not None:
-                self._steps.release(slot)
+            session, self.session, self.cache = self.session, None, None
+            slot, self.slot = self.slot, None
+            try:
+                if session is not None:
+                    session.close()
+            finally:
+                if slot is not None and self._steps is not None:
+                    self._steps.release(slot)
+
+    def _store(self) -> None:
+        """Leave the exact part of this request's state in the prefix cache (no phase runs now)."""
+        if self.prefixes is None or self.cache is None or self.exact == 0:
+            return
+        length = min(self.exact, self.verified, self.cache.length)
+        features = torch.cat(self._features)[:length] if self._features else None
+        if self.capture and (features is None or len(features) < length):
+            return  # the drafter's features are not all known: keep nothing rather than a part
+        state = self.session.snapshot() if isinstance(self.session, Resumable) else None
+        self.prefixes.insert(
+            Snapshot(
+                tuple(self.text[:length]),
+                self.cache.k[:, 0, :, :length].clone(),
+                self.cache.v[:, 0, :, :length].clone(),
+                None if features is None else features.clone(),
+                drafter_entry(self.drafter, state) if self.drafter is not None else None,
+            )
+        )
 
     def prefill(self) -> list[int]:
         ids = self.prefill_block()
@@ -182,16 +229,38 @@ class Request:
         return self.prefilled(out.logits[0, -1], out.hidden[0] if out.hidden is not None else None)
 
     def prefill_block(self) -> torch.Tensor:
-        """Take a cache (a static slot if one is free) and return the prompt's ids [P] to run through it."""
+        """Take a cache (a static slot if one is free), fill it from the prefix cache where the prompt
+        starts as a stored text does, and return the prompt's ids [P'] still to run through it."""
         self.started = True
         self.slot = self._steps.acquire(self.capacity) if self._steps is not None else None
         self.cache = self.slot.cache if self.slot is not None else self.target.new_cache(self.capacity)
-        return torch.tensor(self.prompt, device=self.target.device)
+        hit = self.prefixes.lookup(self.prompt) if self.prefixes is not None else None
+        if hit is not None and self.capture and hit.snapshot.features is None:
+            hit = None  # stored without the features this drafter reads
+        if hit is not None:
+            stored, length = hit.snapshot, hit.length
+            self.cache.k[:, 0, :, :length] = stored.keys[:, :, :length]
+            self.cache.v[:, 0, :, :length] = stored.values[:, :, :length]
+            self.cache.advance(length)
+            if stored.features is not None and self.capture:
+                self._features.append(stored.features[:length])
+            if self.drafter is not None:
+                self._resume = stored.drafter_state(self.drafter)
+            self.cached_tokens = self.counters.cached_tokens = length
+        return torch.tensor(self.prompt[self.cached_tokens :], device=self.target.device)
 
     def prefilled(self, logits: torch.Tensor, hidden: torch.Tensor | None) -> list[int]:
         """The first token from the prompt's last ``logits`` [vocab]; the drafting session starts
-        from the prompt's features ``hidden`` [P, F]."""
+        from the prompt's features: those of the cached prefix, then ``hidden`` [P', F] (the rows
+        that ran)."""
         self.last = int(choose(logits, self.sampling, self.generator))
+        ran = len(self.prompt) - self.cached_tokens
+        # a one-row forward may take other kernels than a cold prefill's: its row is not stored
+        self.exact = len(self.prompt) if ran >= 2 else self.cached_tokens
+        self.text.append(self.last)
+        if hidden is not None and self.capture:
+            self._features.append(hidden)
+            hidden = torch.cat(self._features) if len(self._features) > 1 else hidden
         self.generated, self.verified = 1, len(self.prompt)
         if self.drafter is not None:
             start = time.perf_counter()
@@ -204,6 +273,7 @@ class Request:
                     generator=make_generator(self.sampling, self.target.device, offset=1),
                     max_tokens=self.capacity,
                     keep_drafting=self.lengths.keep_drafting if self.lengths is not None else None,
+                    resume=self._resume,
                 )
             )
             self.counters.draft_s += time.perf_counter() - start
@@ -262,7 +332,7 @@ class Request:
         start = time.perf_counter()
         block = self.block(draft)
         if self.slot is not None:
-            verified = Verified(*self.slot.forward(block, self.capture))
+            verified = Verified(*self.slot.forward(block, self.capture), eager=False)
         else:
             out = self.target(block[None], self.cache, logits="all", capture=self.capture)
             assert out.logits is not None
@@ -280,11 +350,16 @@ class Request:
         accepted, *block = torch.cat([accepted_t.view(1), tokens, token_t.view(1)]).tolist()  # one host copy
         emitted = [*block[:accepted], block[-1]]
         token = emitted[-1]
-        self.verified += accepted + 1
-        self.cache.rollback(self.verified)
         kept = verified.hidden[: accepted + 1] if verified.hidden is not None else None
         if kept is not None and self.slot is not None:  # the slot's next step overwrites its outputs
             kept = kept.clone()
+        if self.prefixes is not None and self.exact == self.verified and len(tokens) > 0 and verified.eager:
+            self.exact += accepted + 1  # rows of a multi-row eager forward: as a cold prefill computes them
+            if kept is not None:
+                self._features.append(kept)
+        self.text += emitted
+        self.verified += accepted + 1
+        self.cache.rollback(self.verified)
         outcome = Outcome(accepted, token, tuple(emitted[:-1]), kept)
         if self.session is not None:
             self.session.observe(outcome)

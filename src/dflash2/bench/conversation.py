@@ -1,0 +1,122 @@
+"""A multi-turn agent conversation: what the prefix cache saves on each turn.
+
+An agent loop resends its whole history every turn: a system prompt describing its tools, the
+user's requests, the tool results it was given, its own earlier answers. :data:`TURNS` is such a
+conversation (8 turns, written for this benchmark, not taken from an evaluation set). Each
+configuration runs it from the start, answering every turn itself (greedy) and appending its own
+answer to the history, as a client does; per turn it records the prompt's tokens, how many came
+from the cache, the time to the first token and the turn's whole time. dflash2 with and without
+its prefix cache must write the same conversation token for token; llama.cpp's server, with and
+without its prompt cache (``cache_prompt``), runs the GGUF's own weights and so its own answers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash2.api import Model
+from dflash2.bench.runners import LlamaServerRunner
+from dflash2.tokenize import encode_prompt
+
+SYSTEM = """You are a careful assistant for a small software team. You can call these tools by \
+answering with one line `CALL <tool> <arguments>`; the result comes back in the next message.
+
+- search_code(query): finds functions and files in the repository whose text matches the query.
+- read_file(path, start, end): returns lines start..end of a file.
+- run_tests(pattern): runs the tests whose names match and reports failures with their tracebacks.
+- calculator(expression): evaluates an arithmetic expression exactly.
+- open_issue(title, body): files an issue in the tracker and returns its number.
+
+Keep answers short. Quote code exactly. When a tool result answers the question, say so and stop."""
+
+TURNS = [
+    "Where is the retry logic for HTTP requests implemented?",
+    "Tool result: search_code('retry') -> net/client.py:88 `def send_with_retry(request, attempts=3, backoff=0.5):`"
+    " and net/client.py:131 `RETRYABLE = {502, 503, 504}`. Show me what the function does.",
+    "Tool result: read_file('net/client.py', 88, 110) -> `for attempt in range(attempts):` / `response = "
+    "session.send(request)` / `if response.status not in RETRYABLE: return response` / `time.sleep(backoff * 2 "
+    "** attempt)` / `raise RetryError(request)`. Is 429 retried?",
+    "Right. How long does the client wait in total before giving up with the defaults?",
+    "Tool result: calculator('0.5 * (1 + 2 + 4)') -> 3.5. Write the one-line change that also retries 429.",
+    "Tool result: run_tests('test_client') -> 14 passed, 1 failed: test_rate_limit expected 2 calls, got 3. "
+    "Why did it fail?",
+    "Update the test's expectation and explain the change in one sentence for the commit message.",
+    "Tool result: run_tests('test_client') -> 15 passed. File an issue to document the retry policy.",
+]
+
+
+@dataclass
+class Turn:
+    config: str
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    new_tokens: int
+    time_to_first_token_s: float
+    seconds: float
+    text: str
+
+
+def _messages(history: list[dict[str, str]], user: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": user}]
+
+
+def dflash2_conversation(model: Model, name: str, max_new_tokens: int, turns: Sequence[str] = TURNS) -> list[Turn]:
+    """``model`` answers every turn in turn (greedy), its answers joining the history."""
+    history: list[dict[str, str]] = []
+    out: list[Turn] = []
+    for i, user in enumerate(turns, start=1):
+        messages = _messages(history, user)
+        start = time.perf_counter()
+        completion = model.generate(messages, max_new_tokens=max_new_tokens)
+        seconds = time.perf_counter() - start
+        s = completion.stats
+        out.append(Turn(name, i, s.prompt_tokens, s.cached_tokens, s.new_tokens, s.time_to_first_token_s,
+                        seconds, completion.text))  # fmt: skip
+        history += [{"role": "user", "content": user}, {"role": "assistant", "content": completion.text}]
+    return out
+
+
+def llama_conversation(
+    runner: LlamaServerRunner, model: Model, name: str, max_new_tokens: int, cache: bool, turns: Sequence[str] = TURNS
+) -> list[Turn]:
+    """llama.cpp's server answers every turn (its own weights, so its own answers), its prompt
+    cache on or off; the prompt goes as the same chat template's token ids."""
+    history: list[dict[str, str]] = []
+    out: list[Turn] = []
+    for i, user in enumerate(turns, start=1):
+        ids = encode_prompt(model.tokenizer, _messages(history, user))
+        result, timings = runner.complete(ids, max_new_tokens, cache_prompt=cache)
+        text = str(model.tokenizer.decode(result.token_ids, skip_special_tokens=True))
+        cached = int(timings.get("cache_n", 0))
+        out.append(Turn(name, i, len(ids), cached, len(result.token_ids), result.time_to_first_token_s or 0.0,
+                        result.seconds, text))  # fmt: skip
+        history += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
+    return out
+
+
+def conversation_table(turns: Sequence[Turn]) -> str:
+    lines = [
+        "| configuration | turn | prompt tokens | from the cache | new tokens | time to first token (s) | turn (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for t in turns:
+        lines.append(
+            f"| {t.config} | {t.turn} | {t.prompt_tokens} | {t.cached_tokens} | {t.new_tokens} "
+            f"| {t.time_to_first_token_s:.3f} | {t.seconds:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_conversation_json(
+    path: Path, machine: dict[str, Any], settings: dict[str, Any], turns: Sequence[Turn]
+) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"machine": machine, "settings": settings, "turns": [asdict(t) for t in turns]}
+    path.write_text(json.dumps(data, indent=2))
+    return path
