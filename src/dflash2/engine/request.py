@@ -112,7 +112,8 @@ class Request:
         prefixes: PrefixCache | None = None,
     ) -> None:
         self.target = target
-        self.prefixes = prefixes
+        # a store that keeps nothing (prefix_cache=0) is none: no features gathered, no state copied at the end
+        self.prefixes = prefixes if prefixes is not None and prefixes.capacity > 0 else None
         self.lengths = lengths  # how far to draft each step (None: as far as the block allows)
         self.drafter = drafter
         self.counters = EngineCounters()
