@@ -17,7 +17,7 @@ from tiny import SPEC_PROMPTS
 import dflash2
 from dflash2 import InvalidOptionError
 from dflash2.engine import DraftLengthPolicy
-from dflash2.engine.draft_length import DraftLength, best_length, expected_yield
+from dflash2.engine.draft_length import DraftLength, best_length, expected_yield, worth_more
 
 
 def test_expected_yield() -> None:
@@ -34,6 +34,17 @@ def test_best_length() -> None:
     assert best_length([0.0] * 5, [1.0, 1.1, 1.2, 1.3, 1.4, 1.5], 5, lowest=1) == 1  # a re-check: the cheapest
     # 50 % per position, verification 10 % dearer per token: two drafts (1.75 / 1.2) beat one (1.5 / 1.1)
     assert best_length([0.5] * 5, [1.0, 1.1, 1.2, 1.3, 1.4, 1.5], 5) == 2
+
+
+def test_drafting_on_looks_past_a_jump_in_cost() -> None:
+    # a forward of 1-3 tokens costs 1, of 4-9 tokens 1.5 (another kernel tile): two drafts so far
+    costs = [1.0, 1.0, 1.0, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5]
+    yielded, reach = 1 + 0.95 + 0.95**2, 0.95**2
+    assert (yielded + reach * 0.95) / costs[3] < yielded / costs[2]  # the third draft alone does not pay ...
+    assert worth_more(yielded, reach, 0.95, costs, 2)  # ... but the drafts it opens the way to do
+    assert not worth_more(yielded, reach, 0.3, costs, 2)  # unlikely drafts: stop
+    assert worth_more(yielded, reach, 0.3, [1.0] * 9, 2)  # free ones: go on
+    assert not worth_more(yielded, reach, 1.0, costs, 8)  # the block is full
 
 
 class InjectedCosts(DraftLengthPolicy):

@@ -151,6 +151,21 @@ def test_packed_projections_give_the_same_logits() -> None:
     assert (block - plain[:, 17:]).abs().max().item() < 1e-4
 
 
+def test_a_packed_projection_gives_a_row_the_same_bits_alone_as_in_a_block() -> None:
+    """Decoding multiplies one row, verification a few: both run the same oneDNN kernel (at
+    this width a one-row product alone takes a slower matrix-vector path that rounds otherwise)."""
+    from dflash2.runtime.linear import Linear
+
+    layer = Linear(1536, 1536)
+    torch.nn.init.normal_(layer.weight, std=0.05, generator=torch.Generator().manual_seed(0))
+    layer.pack()
+    x = torch.randn(5, 1536, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        block = layer(x)
+        for rows in (1, 2, 3, 4):
+            assert torch.equal(layer(x[:rows]), block[:rows])
+
+
 def test_moe_routing_follows_the_config() -> None:
     hf = tiny_hf_model("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[2], decoder_sparse_step=1)
     spec = ModelSpec.from_hf_config(hf.config)

@@ -23,8 +23,9 @@ per source, since a lookup's drafts are free and right or wrong in long runs.
 Drafters that draft token by token also report how sure they are of each token; for them the
 step does not stop at a length fixed in advance: after each token the drafter asks
 :meth:`DraftLength.keep_drafting`, which maps its confidence to a chance of acceptance (learnt
-per source from outcomes, by confidence bin) and drafts on while one more token is expected to
-raise the step's tokens per second.
+per source from outcomes, by confidence bin) and drafts on while drafting further is expected
+to raise the step's tokens per second: the next token, or a few more where the target's forward
+cost rises in a jump that one token alone does not pay for.
 
 When drafting stops paying the policy still tries a draft now and then, after a wait that doubles
 while drafting keeps losing, so a request whose text turns repetitive is noticed. Output never
@@ -92,14 +93,24 @@ def best_length(accept: Sequence[float], cost: Sequence[float], limit: int, lowe
     return best
 
 
-def worth_another(yielded: float, reach: float, chance: float, cost_now: float, cost_next: float) -> bool:
-    """Whether drafting one more token raises a step's expected tokens per second.
+def worth_more(yielded: float, reach: float, chance: float, costs: Sequence[float], drafted: int) -> bool:
+    """Whether drafting on raises a step's expected tokens per second.
 
-    The step so far is expected to yield ``yielded`` tokens for ``cost_now`` seconds, its last
-    draft is reached (every draft before it right) with probability ``reach``, and the next draft
-    would be right with probability ``chance`` and make the step cost ``cost_next``.
+    The step has drafted ``drafted`` tokens and is expected to yield ``yielded`` tokens for
+    ``costs[drafted]`` seconds; its last draft is reached (every draft before it right) with
+    probability ``reach``, and each further draft is taken to be right with probability
+    ``chance``. Drafting on pays if stopping at any longer length (costing ``costs[k]``) would
+    yield more per second: a step's cost rises in jumps where the target's forward takes another
+    kernel tile, so the next token alone may not pay where a few more would.
     """
-    return (yielded + reach * chance) * cost_now > yielded * cost_next
+    rate = yielded / costs[drafted]
+    more = yielded
+    for k in range(drafted + 1, len(costs)):
+        reach *= chance
+        more += reach
+        if more / costs[k] > rate:
+            return True
+    return False
 
 
 class _Means:
@@ -356,7 +367,7 @@ class DraftLength:
         chance = self.policy.chance(confidence, self.source)
         self._reach *= chance
         self._yielded += self._reach
-        return worth_another(self._yielded, self._reach, chance, costs[drafted], costs[drafted + 1])
+        return worth_more(self._yielded, self._reach, chance, costs, drafted)
 
     def record_outcome(self, proposed: int, accepted: int, confidence: Sequence[float] = ()) -> None:
         if proposed > 0:
