@@ -251,3 +251,26 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     (tmp_path / "gpu-check.png").unlink()
     gpu_main(["--plot", str(tmp_path / "gpu-check.json")])  # the PNG of a report from the device
     _assert_png(tmp_path / "gpu-check.png")  # the target drafting for itself
+
+
+def test_conversation(tmp_path: Path) -> None:
+    """The 8-turn conversation with and without the prefix cache: the same text, later turns start
+    from the cache, and each cached turn is timed beside a forward over its uncached tokens alone."""
+    model = save_tiny(tmp_path / "llama", "llama", max_position_embeddings=4096)  # a byte tokenizer: long prompts
+    doc = tmp_path / "benchmarks.md"
+    args = _args(
+        "--model", str(model), "--max-new-tokens", "4", "--conversation", "dflash2",
+        "--out", str(tmp_path), "--doc", str(doc), "--no-progress",
+    )  # fmt: skip
+    main(args)
+    (json_path,) = tmp_path.glob("conversation-*.json")
+    data = json.loads(json_path.read_text())
+    assert data["settings"]["identical_with_and_without_cache"] == {"dflash2": True}
+    cold = [t for t in data["turns"] if t["config"] == "dflash2"]
+    warm = [t for t in data["turns"] if t["config"] == "dflash2 + prefix cache"]
+    assert len(cold) == len(warm) == 8
+    assert all(t["cached_tokens"] == 0 and t["new_prefill_s"] is None for t in cold)
+    assert all(t["cached_tokens"] > 0 for t in warm[1:])
+    assert all(t["new_prefill_s"] > 0 for t in warm)
+    rows = [r for r in _table_rows(_section(doc, "conversation")) if r[0] != "configuration"]
+    assert len(rows) == 16 and all(len(r) == 8 for r in rows)

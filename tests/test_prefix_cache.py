@@ -119,12 +119,20 @@ def test_the_stored_state_is_a_cold_prefills(paths: dict[str, Path]) -> None:
                 torch.testing.assert_close(cold[:, 0, :, :rows], stored, rtol=1e-5, atol=1e-5)
 
 
-def test_plain_decoding_stores_its_prompt_only(paths: dict[str, Path]) -> None:
+def test_plain_decoding_stores_its_answer_too(paths: dict[str, Path]) -> None:
+    """One-token steps' rows are kept as verify blocks' are: equal to a cold prefill's to fp32 rounding."""
     model = dflash2.load(paths["target"])
-    prompt_tokens = len(model.tokenizer(SPEC_PROMPTS[1]).input_ids)
-    model.generate(SPEC_PROMPTS[1], max_new_tokens=NEW)  # one-row forwards: not a prefill's rows
+    prompt = model.tokenizer(SPEC_PROMPTS[1]).input_ids
+    first = model.generate(SPEC_PROMPTS[1], max_new_tokens=NEW)
     (entry,) = model.prefixes.snapshots()
-    assert len(entry) == prompt_tokens
+    assert entry.tokens == (*prompt, *first.token_ids[:-1])  # the last token was never fed
+    hit = model.prefixes.lookup([*entry.tokens, 7])
+    assert hit is not None and hit.length == len(entry)
+    cache = model.target.new_cache(len(entry))
+    with torch.no_grad():
+        model.target(torch.tensor([entry.tokens]), cache, logits="none")
+    torch.testing.assert_close(cache.k[:, 0], entry.keys, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.v[:, 0], entry.values, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.anyio

@@ -5,7 +5,9 @@ user's requests, the tool results it was given, its own earlier answers. :data:`
 conversation (8 turns, written for this benchmark, not taken from an evaluation set). Each
 configuration runs it from the start, answering every turn itself (greedy) and appending its own
 answer to the history, as a client does; per turn it records the prompt's tokens, how many came
-from the cache, the time to the first token and the turn's whole time. dflash2 with and without
+from the cache, the time to the first token and the turn's whole time; with the cache also the
+time of the target's forward over the turn's new tokens alone (the least a turn's first token can
+cost). dflash2 with and without
 its prefix cache must write the same conversation token for token; llama.cpp's server, with and
 without its prompt cache (``cache_prompt``), runs the GGUF's own weights and so its own answers.
 """
@@ -18,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from dflash2.api import Model
 from dflash2.bench.runners import LlamaServerRunner
@@ -60,14 +64,37 @@ class Turn:
     time_to_first_token_s: float
     seconds: float
     text: str
+    new_prefill_s: float | None = None  # the target's forward over the uncached prompt tokens alone
+
+
+def prefill_seconds(model: Model, ids: Sequence[int], cached: int) -> float:
+    """Seconds of ``model``'s target forward over ``ids[cached:]`` after the first ``cached`` ids
+    (prefilled untimed), on the thread generation computes on."""
+    target = model.target
+
+    def forward() -> float:
+        with torch.inference_mode():
+            cache = target.new_cache(len(ids))
+            if cached:
+                target(torch.tensor(ids[:cached], device=target.device)[None], cache, logits="none")
+            start = time.perf_counter()
+            logits = target(torch.tensor(ids[cached:], device=target.device)[None], cache, logits="last").logits
+            assert logits is not None
+            float(logits[0, -1, 0])  # read back: the time includes the device's
+            return time.perf_counter() - start
+
+    return model.workers.verify.call(forward)
 
 
 def _messages(history: list[dict[str, str]], user: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": user}]
 
 
-def dflash2_conversation(model: Model, name: str, max_new_tokens: int, turns: Sequence[str] = TURNS) -> list[Turn]:
-    """``model`` answers every turn in turn (greedy), its answers joining the history."""
+def dflash2_conversation(
+    model: Model, name: str, max_new_tokens: int, turns: Sequence[str] = TURNS, new_prefill: bool = False
+) -> list[Turn]:
+    """``model`` answers every turn in turn (greedy), its answers joining the history; with
+    ``new_prefill`` each turn also times :func:`prefill_seconds` over its uncached tokens."""
     history: list[dict[str, str]] = []
     out: list[Turn] = []
     for i, user in enumerate(turns, start=1):
@@ -76,8 +103,10 @@ def dflash2_conversation(model: Model, name: str, max_new_tokens: int, turns: Se
         completion = model.generate(messages, max_new_tokens=max_new_tokens)
         seconds = time.perf_counter() - start
         s = completion.stats
+        ids = encode_prompt(model.tokenizer, messages)
+        alone = prefill_seconds(model, ids, s.cached_tokens) if new_prefill else None
         out.append(Turn(name, i, s.prompt_tokens, s.cached_tokens, s.new_tokens, s.time_to_first_token_s,
-                        seconds, completion.text))  # fmt: skip
+                        seconds, completion.text, alone))  # fmt: skip
         history += [{"role": "user", "content": user}, {"role": "assistant", "content": completion.text}]
     return out
 
@@ -102,13 +131,15 @@ def llama_conversation(
 
 def conversation_table(turns: Sequence[Turn]) -> str:
     lines = [
-        "| configuration | turn | prompt tokens | from the cache | new tokens | time to first token (s) | turn (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| configuration | turn | prompt tokens | from the cache | new tokens | time to first token (s) "
+        "| forward over the uncached tokens alone (s) | turn (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for t in turns:
+        alone = f"{t.new_prefill_s:.3f}" if t.new_prefill_s is not None else ""
         lines.append(
             f"| {t.config} | {t.turn} | {t.prompt_tokens} | {t.cached_tokens} | {t.new_tokens} "
-            f"| {t.time_to_first_token_s:.3f} | {t.seconds:.2f} |"
+            f"| {t.time_to_first_token_s:.3f} | {alone} | {t.seconds:.2f} |"
         )
     return "\n".join(lines)
 

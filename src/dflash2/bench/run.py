@@ -516,7 +516,7 @@ def conversation_main(
         warm.prefixes = PrefixCache(args.prefix_cache)
         dflash2_conversation(warm, "warm-up", 8, TURNS[:2])  # kernels and threads, then a fresh cache
         warm.prefixes = PrefixCache(args.prefix_cache)
-        with_cache = dflash2_conversation(warm, f"{runner.name} + prefix cache", args.max_new_tokens)
+        with_cache = dflash2_conversation(warm, f"{runner.name} + prefix cache", args.max_new_tokens, new_prefill=True)
         without = dflash2_conversation(cold, runner.name, args.max_new_tokens)
         identical[runner.name] = [t.text for t in with_cache] == [t.text for t in without]
         turns += without + with_cache

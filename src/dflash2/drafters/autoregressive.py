@@ -91,7 +91,7 @@ class AutoregressiveSession:
         self._cache: KVCache | None = self._slot.cache if self._slot is not None else self._model.new_cache(capacity)
         self._seq: list[int] = [*context.prompt_ids, context.first_token]
         self._cached: list[int] = []
-        self._exact = 0  # cached tokens fed the way a cold start feeds them (several at a time, eagerly)
+        self._storable = 0  # cached tokens fed eagerly (a static step attends otherwise)
         self._proposal: list[int] = []
         self._pre: PreDraft | None = None
         if isinstance(context.resume, DraftState) and self._slot is None:
@@ -108,13 +108,13 @@ class AutoregressiveSession:
         self._cache.v[:, 0, :, :common] = state.values[:, :, :common]
         self._cache.advance(common)
         self._cached = self._seq[:common]
-        self._exact = common
+        self._storable = common
 
     def snapshot(self) -> DraftState | None:
-        """The exact part of the draft cache (see ``Resumable``), or ``None``."""
-        if self._cache is None or self._exact == 0 or self._slot is not None:
+        """The part of the draft cache eager forwards computed (see ``Resumable``), or ``None``."""
+        if self._cache is None or self._storable == 0 or self._slot is not None:
             return None
-        n, cache = self._exact, self._cache
+        n, cache = self._storable, self._cache
         return DraftState(tuple(self._cached[:n]), cache.k[:, 0, :, :n].clone(), cache.v[:, 0, :, :n].clone())
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -137,8 +137,8 @@ class AutoregressiveSession:
             logits = self._model(ids[None], self._cache, logits="last").logits
             assert logits is not None
             last = logits[0, -1]
-            if len(tokens) >= 2 and self._exact == len(self._cached):
-                self._exact += len(tokens)  # a one-row forward may take other kernels than a prefill
+            if self._storable == len(self._cached):
+                self._storable += len(tokens)
         self._cached.extend(tokens)
         return self._fit_vocab(last)
 
@@ -155,7 +155,7 @@ class AutoregressiveSession:
             common += 1
         self._cache.rollback(common)
         del self._cached[common:]
-        self._exact = min(self._exact, common)
+        self._storable = min(self._storable, common)
         logits = self._feed(context[common:])
         tokens: list[int] = []
         rows: list[torch.Tensor] = []

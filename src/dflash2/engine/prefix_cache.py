@@ -5,13 +5,13 @@ for recently finished (or cancelled) requests, the target's keys and values of t
 text, the target features a DFlash drafter reads, and the drafter's own state where it has one;
 a new request takes the longest stored prefix of its prompt and prefills only the rest.
 
-Exactness: a request stores its state only as far as it was computed by forwards over several
-rows (the prompt's prefill, verify blocks; :attr:`Request.exact`): a one-row forward (plain
-decoding, a step that drafted nothing) takes other kernels. The stored prompt rows are a cold
-prefill's bit for bit; rows of later blocks agree with a cold prefill of the whole text to fp32
-rounding (a matrix product's kernel depends on its row count), the same difference speculative
-verification already makes against one-token decoding, so greedy output with a hit equals a cold
-run's (tested for every drafter, sync and async, batched, and seeded sampling).
+Exactness: a request stores its state as far as eager forwards computed it
+(:attr:`Request.storable`; static steps attend over a whole masked cache, so they store their
+prompt only). The stored prompt rows are a cold prefill's bit for bit; rows computed after it (a
+verify block, a one-token step) agree with a cold prefill of the whole text to fp32 rounding (a
+forward's kernels depend on its row count), the same difference speculative verification already
+makes against one-token decoding, so greedy output with a hit equals a cold run's (tested for
+every drafter, sync and async, batched, and seeded sampling).
 
 Entries are immutable copies: a hit copies the state into the new request's own cache, so an
 entry in use is never written, and evicting one never touches a running request. The store holds

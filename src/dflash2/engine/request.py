@@ -15,8 +15,8 @@ step (a CUDA graph on CUDA), or beside other slots' blocks as the pool's packed 
 
 With a ``PrefixCache`` the prefill starts from the stored state of the longest prefix of the
 prompt another request left (target keys and values, target features, the drafter's state) and
-runs only the rest; when the request ends its own state goes back to the store, as far as it is
-exact (:attr:`Request.exact`, see ``engine.prefix_cache``).
+runs only the rest; when the request ends its own state goes back to the store, as far as
+eager forwards computed it (:attr:`Request.storable`, see ``engine.prefix_cache``).
 
 The engines only decide what runs when (and what runs at the same time). Each phase runs
 through :meth:`Request.use`, so a close from the event loop never frees state a worker is using:
@@ -90,7 +90,7 @@ def check_draft(draft: object, wanted: int, vocab: int, drafter: str) -> None:
 @dataclass(frozen=True)
 class Verified:
     """Target output for a verified block: logits [k + 1, vocab], features [k + 1, F] or None.
-    ``eager``: computed by an eager forward (a static step attends otherwise: see ``Request.exact``)."""
+    ``eager``: computed by an eager forward (a static step attends otherwise: see ``Request.storable``)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor | None
@@ -135,9 +135,9 @@ class Request:
         self.closed = False
         self._lock = threading.Lock()
         self._phases = 0  # phases running now (in worker threads)
-        # the prefix cache: the verified text, how much of its state is exact, its target features
+        # the prefix cache: the verified text, how much of its state eager forwards computed, its target features
         self.text: list[int] = list(prompt_ids)
-        self.exact = 0
+        self.storable = 0
         self.cached_tokens = 0  # prompt tokens whose state came from the prefix cache
         self._features: list[torch.Tensor] = []
         self._resume: Any = None  # the drafter's stored state, for its session
@@ -205,10 +205,10 @@ class Request:
                     self._steps.release(slot)
 
     def _store(self) -> None:
-        """Leave the exact part of this request's state in the prefix cache (no phase runs now)."""
-        if self.prefixes is None or self.cache is None or self.exact == 0:
+        """Leave the storable part of this request's state in the prefix cache (no phase runs now)."""
+        if self.prefixes is None or self.cache is None or self.storable == 0:
             return
-        length = min(self.exact, self.verified, self.cache.length)
+        length = min(self.storable, self.verified, self.cache.length)
         features = torch.cat(self._features)[:length] if self._features else None
         if self.capture and (features is None or len(features) < length):
             return  # the drafter's features are not all known: keep nothing rather than a part
@@ -255,9 +255,7 @@ class Request:
         from the prompt's features: those of the cached prefix, then ``hidden`` [P', F] (the rows
         that ran)."""
         self.last = int(choose(logits, self.sampling, self.generator))
-        ran = len(self.prompt) - self.cached_tokens
-        # a one-row forward may take other kernels than a cold prefill's: its row is not stored
-        self.exact = len(self.prompt) if ran >= 2 else self.cached_tokens
+        self.storable = len(self.prompt)
         self.text.append(self.last)
         if hidden is not None and self.capture:
             self._features.append(hidden)
@@ -354,8 +352,8 @@ class Request:
         kept = verified.hidden[: accepted + 1] if verified.hidden is not None else None
         if kept is not None and self.slot is not None:  # the slot's next step overwrites its outputs
             kept = kept.clone()
-        if self.prefixes is not None and self.exact == self.verified and len(tokens) > 0 and verified.eager:
-            self.exact += accepted + 1  # rows of a multi-row eager forward: as a cold prefill computes them
+        if self.prefixes is not None and self.storable == self.verified and verified.eager:
+            self.storable += accepted + 1
             if kept is not None:
                 self._features.append(kept)
         self.text += emitted
