@@ -273,4 +273,4 @@ def test_conversation(tmp_path: Path) -> None:
     assert all(t["cached_tokens"] > 0 for t in warm[1:])
     assert all(t["new_prefill_s"] > 0 for t in warm)
     rows = [r for r in _table_rows(_section(doc, "conversation")) if r[0] != "configuration"]
-    assert len(rows) == 16 and all(len(r) == 8 for r in rows)
+    assert len(rows) == 8 and all(len(r) == 7 for r in rows)

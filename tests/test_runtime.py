@@ -152,11 +152,13 @@ def test_packed_projections_give_the_same_logits() -> None:
 
 
 def test_a_packed_projection_gives_a_row_the_same_bits_alone_as_in_a_block() -> None:
-    """Decoding multiplies one row, verification a few: both run the same oneDNN kernel (at
-    this width a one-row product alone takes a slower matrix-vector path that rounds otherwise)."""
-    from dflash2.runtime.linear import Linear
+    """Decoding multiplies one row, verification a few: for a weight larger than the CPU's caches
+    both run the same oneDNN kernel (a one-row product alone takes a slower matrix-vector path
+    that rounds otherwise)."""
+    from dflash2.runtime.linear import WIDE, Linear
 
-    layer = Linear(1536, 1536)
+    layer = Linear(1536, 6144)
+    assert layer.weight.numel() >= WIDE
     torch.nn.init.normal_(layer.weight, std=0.05, generator=torch.Generator().manual_seed(0))
     layer.pack()
     x = torch.randn(5, 1536, generator=torch.Generator().manual_seed(1))

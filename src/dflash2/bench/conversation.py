@@ -130,18 +130,33 @@ def llama_conversation(
 
 
 def conversation_table(turns: Sequence[Turn]) -> str:
+    """One row per configuration and turn: the run without its cache beside the run with it
+    (configurations named ``X`` and ``X + ...``)."""
     lines = [
-        "| configuration | turn | prompt tokens | from the cache | new tokens | time to first token (s) "
-        "| forward over the uncached tokens alone (s) | turn (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| configuration | turn | prompt tokens | from the cache | time to first token, without / with the cache (s) "
+        "| forward over the uncached tokens alone (s) | turn, without / with (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    runs: dict[str, dict[bool, dict[int, Turn]]] = {}
     for t in turns:
-        alone = f"{t.new_prefill_s:.3f}" if t.new_prefill_s is not None else ""
-        lines.append(
-            f"| {t.config} | {t.turn} | {t.prompt_tokens} | {t.cached_tokens} | {t.new_tokens} "
-            f"| {t.time_to_first_token_s:.3f} | {alone} | {t.seconds:.2f} |"
-        )
+        base, _, cache = t.config.partition(" + ")
+        runs.setdefault(base, {}).setdefault(bool(cache), {})[t.turn] = t
+    for base, pair in runs.items():
+        cold, warm = pair.get(False, {}), pair.get(True, {})
+        for i in sorted(cold.keys() | warm.keys()):
+            c, w = cold.get(i), warm.get(i)
+            shown = w or c
+            assert shown is not None
+            alone = f"{w.new_prefill_s:.3f}" if w is not None and w.new_prefill_s is not None else ""
+            lines.append(
+                f"| {base} | {i} | {shown.prompt_tokens} | {w.cached_tokens if w else ''} "
+                f"| {_pair(c, w, 'time_to_first_token_s', 3)} | {alone} | {_pair(c, w, 'seconds', 2)} |"
+            )
     return "\n".join(lines)
+
+
+def _pair(cold: Turn | None, warm: Turn | None, name: str, digits: int) -> str:
+    return " / ".join(f"{getattr(t, name):.{digits}f}" if t is not None else "–" for t in (cold, warm))
 
 
 def write_conversation_json(

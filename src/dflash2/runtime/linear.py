@@ -40,14 +40,16 @@ def packing_available(weight: torch.Tensor) -> bool:
 _PACK_ROWS = 16
 
 
-# For wide enough layers (1,536 inputs, not 576) oneDNN multiplies a single row by another kernel
-# than 2 or more rows: a matrix-vector product, slower with a packed weight than 4 rows at once and
-# rounded differently from any row of a larger product. Measured on a 2-core AMD EPYC
-# (Qwen2.5-1.5B, fp32, one forward after a 200-token prompt, interleaved): 1 token 247 -> 213 ms
-# and 2 tokens 267 -> 212 ms when run at 4 rows, the same as a 4-token block (SmolLM2-135M:
-# unchanged). So one- to three-row products run at 4 rows, and a projection gives a row the same
-# bits whether it is decoded alone or verified in a block.
+# oneDNN multiplies 2 or 3 rows by a packed weight more slowly than 4, and a single row by another
+# kernel (a matrix-vector product) that for a weight too large for the CPU's caches is slower than
+# 4 rows at once and rounds otherwise. Measured on a 2-core AMD EPYC (fp32, one forward after a
+# 200-token prompt, interleaved): Qwen2.5-1.5B 1 token 256 -> 221 ms, 2 tokens 274 -> 227 ms;
+# SmolLM2-135M 2 tokens 40.0 -> 37.3 ms, 1 token unchanged. So 2 or 3 rows run at 4, and so does
+# a single row for a weight of ``WIDE`` elements or more (smaller ones, cached, are faster at one
+# row); for those weights a row comes out with the same bits whether it is decoded alone or
+# verified in a block.
 FEWEST_ROWS = 4
+WIDE = 8 * 2**20  # weights of this many elements and more (32 MiB in fp32)
 
 
 def row_bucket(rows: int, fewest: int = 1) -> int:
@@ -86,6 +88,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._packed: torch.Tensor | None = None
         self._released = False  # the plain weight is gone: only the packed copy computes
+        self._wide = False  # a single row runs at FEWEST_ROWS too
 
     def pack(self, release: bool = False) -> None:
         """Pre-pack the weight (a snapshot: call again after changing it); no-op where unsupported.
@@ -94,6 +97,7 @@ class Linear(nn.Module):
         only ever run inference and whose weight nothing else reads."""
         if packing_available(self.weight):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_ROWS)
+            self._wide = self.weight.numel() >= WIDE
             if release:
                 self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
                 self._released = True
@@ -113,7 +117,8 @@ class Linear(nn.Module):
         if self._packed is not None and x.dtype == torch.float32 and (self._released or not torch.is_grad_enabled()):
             packed, bias = self._packed, self.bias
             pointwise = torch.ops.mkldnn._linear_pointwise
-            return padded_product(x, lambda rows: pointwise(rows, packed, bias, "none", [], ""), FEWEST_ROWS)
+            fewest = FEWEST_ROWS if self._wide or x.numel() > x.shape[-1] else 1
+            return padded_product(x, lambda rows: pointwise(rows, packed, bias, "none", [], ""), fewest)
         return F.linear(x, self.weight, self.bias)
 
 
