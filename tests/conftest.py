@@ -99,3 +99,9 @@ def references(paths: dict[str, Path]) -> dict[str, list[int]]:
     hf = AutoModelForCausalLM.from_pretrained(paths["target"], dtype=torch.float32).eval()
     tokenizer = dflash2.load(paths["target"]).tokenizer
     return {p: hf_greedy(hf, tokenizer(p).input_ids, 48) for p in SPEC_PROMPTS}
+
+
+@pytest.fixture
+def gpu_scripts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The development scripts of scripts/gpu (not installed) importable, as they import each other."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))

@@ -227,9 +227,9 @@ def test_concurrency_sweep(tiny_llama: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
+def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path, gpu_scripts: None) -> None:
     """The prepared GPU script (tiny shape on a CPU): every exactness run identical, every row timed."""
-    from dflash2.bench.gpu import main as gpu_main
+    from check import main as gpu_main
 
     report = gpu_main(["--out", str(tmp_path), "--max-new-tokens", "16"])
     saved = json.loads((tmp_path / "gpu-check.json").read_text())

@@ -1,6 +1,6 @@
 """CUDA graphs (``graphs="cuda"``): replayed graphs against eager forwards, and no host sync in the loop.
 
-These run only where CUDA is (the GPU check runs them: ``python -m dflash2.bench.gpu``); the CPU
+These run only where CUDA is (the GPU check runs them: ``python scripts/gpu/check.py``); the CPU
 suite checks the same static steps run eagerly (``test_static_steps.py``).
 """
 

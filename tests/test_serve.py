@@ -207,8 +207,8 @@ def test_a_client_that_leaves_a_whole_answer_cancels_it(paths: dict[str, Path]) 
 
     import uvicorn
 
-    from dflash2.bench.reliability import SlowForward
     from dflash2.serve import Limits, create_app
+    from dflash2.testing import SlowForward
 
     model = dflash2.load(paths["target"])
     slow = SlowForward(model, 0.05)  # 64 tokens: over 3 s of forwards

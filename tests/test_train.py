@@ -234,11 +234,6 @@ def test_training_learns_resumes_and_exports(target: Path, tmp_path: Path) -> No
     assert all(p.identical == p.prompts == 1 and p.mean_acceptance_length >= 1.0 for p in points)
     assert points[0].supervised_tokens < points[2].supervised_tokens
     assert "| 100 |" in curve_table(points)
-    from dflash2.bench.curve import predraft_hit_rates, predraft_table
-
-    rates = predraft_hit_rates(model, {"trained": resumed}, prompts, 16, refs)
-    assert [(r.drafter, r.dataset, r.identical) for r in rates] == [("trained", "a", 1), ("trained", "b", 1)]
-    assert all(0 <= r.hit_rate <= 1 and r.steps > 0 for r in rates) and "trained" in predraft_table(rates)
 
 
 @pytest.mark.parametrize("negatives", [4, -1])
@@ -486,12 +481,6 @@ def test_refining_a_drafter_on_its_own_steps(target: Path, tmp_path: Path) -> No
 
 
 # ---------------------------------------------------------------- the GPU job, run small on the CPU
-
-
-@pytest.fixture
-def gpu_scripts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The development scripts of scripts/gpu (not installed) importable, as they import each other."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
 
 
 def test_large_file_travels_in_checked_parts(tmp_path: Path, gpu_scripts: None) -> None:

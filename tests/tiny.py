@@ -1,4 +1,4 @@
-"""Tiny random fp32 models (built by ``dflash2.bench.synthetic``) and z-lab-format drafters for the tests."""
+"""Tiny random fp32 models (built by ``dflash2.testing``) and z-lab-format drafters for the tests."""
 
 from __future__ import annotations
 
@@ -6,11 +6,20 @@ from typing import Any
 
 import torch
 
-from dflash2.bench.reliability import SlowForward
-from dflash2.bench.synthetic import BOS, CHAT_TEMPLATE, EOS, PAD, SPECIALS, byte_tokenizer, random_config, random_model
-from dflash2.bench.synthetic import BYTE_VOCAB as VOCAB
-from dflash2.bench.synthetic import save_random as save_tiny
-from dflash2.bench.synthetic import save_random_dflash as save_tiny_dflash
+from dflash2.testing import (
+    BOS,
+    CHAT_TEMPLATE,
+    EOS,
+    PAD,
+    SPECIALS,
+    SlowForward,
+    byte_tokenizer,
+    random_config,
+    random_model,
+)
+from dflash2.testing import BYTE_VOCAB as VOCAB
+from dflash2.testing import save_random as save_tiny
+from dflash2.testing import save_random_dflash as save_tiny_dflash
 
 __all__ = [
     "BOS",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +34,6 @@ from dflash2.bench.curve import (
     curve_table,
     plot_curve,
     points_as_dicts,
-    predraft_hit_rates,
-    predraft_table,
 )
 from dflash2.bench.data import Prompt, load_dataset
 from dflash2.bench.harness import Row, machine_info, run_matrix
@@ -203,11 +200,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--drafter-weights-list", default="same,bf16,int8,int4", help="precisions of the --sweep-config model drafter"
     )
     parser.add_argument(
-        "--predraft-ablation",
-        default=None,
-        help="NAME=DIR,NAME=DIR: DFlash drafters whose pre-draft hit rates to compare (async, pre-drafting)",
-    )
-    parser.add_argument(
         "--training-curve", type=Path, default=None, help="a train-drafter run dir: acceptance of each kept checkpoint"
     )
     talk = parser.add_argument_group("multi-turn agent conversation (runs instead of the matrix)")
@@ -229,7 +221,7 @@ def _ints(text: str) -> list[int]:
 
 def main(args: argparse.Namespace) -> list[Row]:
     configs = [c.strip() for c in args.configs.split(",")]
-    special = args.sweep or args.training_curve or args.predraft_ablation or args.concurrency or args.conversation
+    special = args.sweep or args.training_curve or args.concurrency or args.conversation
     if not special and "transformers" not in configs:
         raise SystemExit("every row is checked against transformers plain greedy: add 'transformers' to --configs")
     if args.threads:
@@ -250,7 +242,7 @@ def main(args: argparse.Namespace) -> list[Row]:
     if args.conversation:
         conversation_main(args, model, source, drafters, block_sizes)
         return []
-    if args.training_curve is not None or args.predraft_ablation is not None:
+    if args.training_curve is not None:
         curve_main(args, model, source)
         return []
     prompts: list[Prompt] = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
@@ -568,22 +560,11 @@ def curve_main(args: argparse.Namespace, model: Model, source: Any) -> list[Curv
         "Command: `dflash2 bench " + " ".join(_cli_args(args)) + "`. Greedy; identical = the same tokens as "
         "dflash2's plain decoding (itself identical to transformers in the matrix above).",
     ]
-    record: dict[str, Any] = {"machine": machine}
-    points: list[CurvePoint] = []
-    if args.training_curve is not None:
-        section = args.section or "training-curve"
-        points = acceptance_curve(model, args.training_curve, prompts, args.max_new_tokens, references)
-        record.update(run=str(args.training_curve), points=points_as_dicts(points))
-        plot = plot_curve(points, args.doc.parent / "images" / f"{section}.png")
-        body += ["", curve_table(points), "", f"![acceptance vs training](images/{plot.name})"]
-    else:
-        section = args.section or "predraft-ablation"
-        named = dict(item.split("=", 1) for item in args.predraft_ablation.split(","))
-        rates = predraft_hit_rates(
-            model, {k: Path(v) for k, v in named.items()}, prompts, args.max_new_tokens, references
-        )
-        record.update(drafters=named, points=[{**asdict(p), "hit_rate": p.hit_rate} for p in rates])
-        body += ["", predraft_table(rates)]
+    section = args.section or "training-curve"
+    points = acceptance_curve(model, args.training_curve, prompts, args.max_new_tokens, references)
+    record = {"machine": machine, "run": str(args.training_curve), "points": points_as_dicts(points)}
+    plot = plot_curve(points, args.doc.parent / "images" / f"{section}.png")
+    body += ["", curve_table(points), "", f"![acceptance vs training](images/{plot.name})"]
     json_path = args.out / f"{section}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(record, indent=2))
@@ -618,8 +599,6 @@ def _cli_args(args: argparse.Namespace) -> list[str]:
             out.append(f"--drafter-weights-list {args.drafter_weights_list}")
     elif args.training_curve:
         out.append(f"--training-curve {args.training_curve}")
-    elif args.predraft_ablation:
-        out.append(f"--predraft-ablation {args.predraft_ablation}")
     elif args.concurrency:
         out += [f"--concurrency {args.concurrency}", f"--concurrency-configs {args.concurrency_configs}"]
     elif args.conversation:

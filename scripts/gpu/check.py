@@ -1,12 +1,12 @@
 """The GPU check: eager vs CUDA graphs, sync vs async, on random-weight models of realistic shape.
 
-Nothing is downloaded: the models are random (``bench.synthetic``), so only timing and
+Nothing is downloaded: the models are random (``dflash2.testing``), so only timing and
 exactness mean anything. Acceptance is fixed by the drafter: the target drafting for itself
 accepts every token (the case with the most drafting to hide), a random DFlash drafter almost
 none (its drafting cost is what overlap can hide), the n-gram drafter whatever the random text
 repeats. One command, well inside the device's time limit, where CUDA is::
 
-    PYTHONPATH=src python -m dflash2.bench.gpu --out "$OUT"
+    PYTHONPATH=src python scripts/gpu/check.py --out "$OUT"
 
 It runs the CUDA-only tests (``tests/test_cuda_graphs.py``), checks fp32 greedy exactness of
 every drafter, eager and with graphs, against transformers on the device, measures 1, 2, 4 and 8
@@ -40,9 +40,9 @@ from dflash2.bench.concurrency import dflash2_level
 from dflash2.bench.data import Prompt
 from dflash2.bench.harness import Row, aggregate, machine_info, rows_as_dicts
 from dflash2.bench.runners import DFlash2Runner, RunResult, TransformersRunner
-from dflash2.bench.synthetic import PAD, save_random, save_random_dflash
 from dflash2.engine.draft_length import DraftLengthPolicy
 from dflash2.engine.policy import OverlapPolicy
+from dflash2.testing import PAD, save_random, save_random_dflash
 
 # arch, then (hidden, intermediate, layers, heads, kv heads, head dim, vocab, tied embeddings)
 SHAPES: dict[str, tuple[str, tuple[int, int, int, int, int, int, int, bool]]] = {
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         (args.out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
 
     if cuda and not args.no_tests:
-        report["cuda_tests"] = cuda_tests(Path(__file__).resolve().parents[3])
+        report["cuda_tests"] = cuda_tests(Path(__file__).resolve().parents[2])
         print("cuda tests:", report["cuda_tests"].get("tail", [""])[-1:], flush=True)
         save()
     with tempfile.TemporaryDirectory() as tmp:

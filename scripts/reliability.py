@@ -1,4 +1,4 @@
-"""``python -m dflash2.bench.reliability``: the figures of docs/reliability.md, measured on a tiny model.
+"""``python scripts/reliability.py``: the figures of docs/reliability.md, measured on a tiny model.
 
 Each probe reproduces a way an SDK user's app can hang or stall (a deadline around a stream, an
 event loop that ends with a job in flight, ``aclose()`` from another task, a loop that blocks)
@@ -21,29 +21,9 @@ from typing import Any
 import anyio
 
 import dflash2
-from dflash2.bench.synthetic import save_random
+from dflash2.testing import SlowForward, save_random
 
 PROMPT = "The quick brown fox"
-
-
-class SlowForward:
-    """Makes each forward of ``model``'s target ``delay`` seconds longer; counts the forwards begun
-    (``calls``) and running now (``running``)."""
-
-    def __init__(self, model: dflash2.Model, delay: float) -> None:
-        self.calls, self.running, self.delay = 0, 0, delay
-        forward = model.target.forward
-
-        def slow(*args: Any, **kwargs: Any) -> Any:
-            self.calls += 1
-            self.running += 1
-            try:
-                time.sleep(self.delay)
-                return forward(*args, **kwargs)
-            finally:
-                self.running -= 1
-
-        model.target.forward = slow  # type: ignore[method-assign]
 
 
 def _in_thread(fn: Callable[[], Any], timeout: float) -> str:

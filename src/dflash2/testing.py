@@ -1,14 +1,19 @@
-"""Random-weight checkpoints of any shape, with a byte-level tokenizer: no download needed.
+"""Test helpers for code built on dflash2: random-weight models, slowed forwards; no download.
 
-Used by the tests (tiny models) and by the GPU check (models of realistic size, where only the
-timing matters). The tokenizer encodes every UTF-8 byte as one token; a larger ``vocab_size``
-adds filler tokens that encoding never produces but that decode to text, so a model with a
-realistic LM head still streams printable output.
+:func:`save_random` writes a Hugging Face checkpoint of any shape with random weights and a
+byte-level tokenizer (:func:`save_random_dflash`, a DFlash drafter for it): ``dflash2.load`` and
+``transformers`` load it like any other, so an app's streaming, cancellation and serving can be
+tested in seconds, and models of realistic shape timed where only the timing matters. The
+tokenizer encodes every UTF-8 byte as one token; a larger ``vocab_size`` adds filler tokens that
+encoding never produces but that decode to text, so a model with a realistic LM head still streams
+printable output. :class:`SlowForward` makes every target forward of a model a known time longer,
+so that a test can be sure a job is running when it interferes.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +213,23 @@ def save_random_dflash(
     (path / "config.json").write_text(json.dumps(config, indent=2))
     save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
     return path
+
+
+class SlowForward:
+    """Makes each forward of ``model``'s target ``delay`` seconds longer; counts the forwards begun
+    (``calls``) and running now (``running``)."""
+
+    def __init__(self, model: Any, delay: float) -> None:
+        self.calls, self.running, self.delay = 0, 0, delay
+        forward = model.target.forward
+
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            self.running += 1
+            try:
+                time.sleep(self.delay)
+                return forward(*args, **kwargs)
+            finally:
+                self.running -= 1
+
+        model.target.forward = slow
