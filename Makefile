@@ -40,13 +40,13 @@ QWEN := --model qwen2.5-coder-1.5b --ar-drafter qwen2.5-coder-0.5b
 bench-qwen: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-matrix --llama-cpp "$$($(BIN)/python scripts/llama_cpp.py)" \
 		--configs transformers,transformers-assisted,transformers-prompt-lookup,llama.cpp,llama.cpp-speculative,llama.cpp-ngram,dflash2,dflash2-ngram-sync,dflash2-ar-sync,dflash2-ar-async,dflash2-hybrid-sync
-	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-sweep --limit 4 --sweep block-size \
+	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-sweep --doc docs/tuning.md --limit 4 --sweep block-size \
 		--sweep-config dflash2-ar-sync --block-sizes 3,5,7,9,13
-	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-weights --limit 4 --sweep drafter-weights \
+	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-weights --doc docs/tuning.md --limit 4 --sweep drafter-weights \
 		--sweep-config dflash2-ar-sync
-	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-sweep-hybrid --limit 4 --sweep block-size \
+	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-sweep-hybrid --doc docs/tuning.md --limit 4 --sweep block-size \
 		--sweep-config dflash2-hybrid-sync --block-sizes 3,5,9,13
-	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-sweep-ngram --limit 4 --sweep block-size \
+	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-sweep-ngram --doc docs/tuning.md --limit 4 --sweep block-size \
 		--sweep-config dflash2-ngram-sync --block-sizes 3,5,9,13
 
 # an 8-turn agent conversation with and without the prefix cache, beside llama.cpp's prompt cache
