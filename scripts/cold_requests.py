@@ -19,11 +19,7 @@ from typing import Any
 import dflash2
 from dflash2.bench.data import humaneval, mtbench
 from dflash2.bench.harness import machine_info
-from dflash2.demo_model import OFFLINE_MODELS, offline_model
-
-
-def _source(name: str | None) -> str | None:
-    return offline_model(name) if name in OFFLINE_MODELS else name
+from dflash2.demo_model import model_source
 
 
 def main() -> None:
@@ -35,9 +31,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    target = _source(args.model)
-    assert target is not None
-    drafter: Any = target if args.drafter == "self-int4" else _source(args.drafter)
+    target = model_source(args.model)
+    drafter: Any = target if args.drafter == "self-int4" else model_source(args.drafter) if args.drafter else None
     weights = "int4" if args.drafter == "self-int4" else "auto"
     models = {
         "off": dflash2.load(target, drafter=drafter, drafter_weights=weights, prefix_cache=0),

@@ -153,6 +153,12 @@ def _assemble(split: SplitGGUF, path: Path) -> None:
 OFFLINE_MODELS = ("smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
 
 
+def model_source(source: str) -> str | Path:
+    """``source`` as ``load`` takes it: an offline model's short name becomes its GGUF file, anything
+    else (a hub id, a path) is returned as is."""
+    return offline_model(source) if source in OFFLINE_MODELS else source
+
+
 def offline_model(name: str) -> Path:
     """The GGUF file of an offline model by its short name (see ``OFFLINE_MODELS``); assembled on first use."""
     if name == "smollm2-135m":

@@ -103,8 +103,8 @@ def dflash2_conversation(
         completion = model.generate(messages, max_new_tokens=max_new_tokens)
         seconds = time.perf_counter() - start
         s = completion.stats
-        ids = encode_prompt(model.tokenizer, messages)
-        alone = prefill_seconds(model, ids, s.cached_tokens) if new_prefill else None
+        ids = encode_prompt(model.tokenizer, messages) if new_prefill else None
+        alone = prefill_seconds(model, ids, s.cached_tokens) if ids is not None else None
         out.append(Turn(name, i, s.prompt_tokens, s.cached_tokens, s.new_tokens, s.time_to_first_token_s,
                         seconds, completion.text, alone))  # fmt: skip
         history += [{"role": "user", "content": user}, {"role": "assistant", "content": completion.text}]

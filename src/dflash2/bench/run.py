@@ -159,9 +159,9 @@ def _llama_cpp_runner(name: str, folder: Path | None, target: Path | None, draft
 
 def _model_path(source: str | None) -> Any:
     """A target or drafter argument: an offline model's short name becomes its GGUF file."""
-    from dflash2.demo_model import OFFLINE_MODELS, offline_model
+    from dflash2.demo_model import model_source
 
-    return offline_model(source) if source in OFFLINE_MODELS else source
+    return model_source(source) if source is not None else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

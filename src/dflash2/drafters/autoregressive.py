@@ -91,7 +91,6 @@ class AutoregressiveSession:
         self._cache: KVCache | None = self._slot.cache if self._slot is not None else self._model.new_cache(capacity)
         self._seq: list[int] = [*context.prompt_ids, context.first_token]
         self._cached: list[int] = []
-        self._storable = 0  # cached tokens fed eagerly (a static step attends otherwise)
         self._proposal: list[int] = []
         self._pre: PreDraft | None = None
         if isinstance(context.resume, DraftState) and self._slot is None:
@@ -108,13 +107,13 @@ class AutoregressiveSession:
         self._cache.v[:, 0, :, :common] = state.values[:, :, :common]
         self._cache.advance(common)
         self._cached = self._seq[:common]
-        self._storable = common
 
     def snapshot(self) -> DraftState | None:
-        """The part of the draft cache eager forwards computed (see ``Resumable``), or ``None``."""
-        if self._cache is None or self._storable == 0 or self._slot is not None:
+        """The draft cache (see ``Resumable``), or ``None``; a static slot's (whose steps attend
+        over the whole masked cache) is not kept."""
+        if self._cache is None or not self._cached or self._slot is not None:
             return None
-        n, cache = self._storable, self._cache
+        n, cache = len(self._cached), self._cache
         return DraftState(tuple(self._cached[:n]), cache.k[:, 0, :, :n].clone(), cache.v[:, 0, :, :n].clone())
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -137,8 +136,6 @@ class AutoregressiveSession:
             logits = self._model(ids[None], self._cache, logits="last").logits
             assert logits is not None
             last = logits[0, -1]
-            if self._storable == len(self._cached):
-                self._storable += len(tokens)
         self._cached.extend(tokens)
         return self._fit_vocab(last)
 
@@ -155,7 +152,6 @@ class AutoregressiveSession:
             common += 1
         self._cache.rollback(common)
         del self._cached[common:]
-        self._storable = min(self._storable, common)
         logits = self._feed(context[common:])
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
