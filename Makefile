@@ -20,6 +20,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples scripts
+	$(BIN)/ruff format --check src tests examples scripts
 	$(BIN)/mypy src
 
 test: lint
@@ -34,12 +35,17 @@ bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench --concurrency 1,2,4,8 --limit 8 \
 		--dflash-drafter drafters/smollm2-135m-instruct-dflash
 
-# the real-size pair against transformers and llama.cpp (built once by scripts/llama_cpp.py); about 4 hours:
+# the real-size pair against transformers and llama.cpp (built once by scripts/llama_cpp.py); about 4.5 hours:
 # the matrix, then each drafter's fixed draft lengths beside the policy's choice, and the drafter's precisions
 QWEN := --model qwen2.5-coder-1.5b --ar-drafter qwen2.5-coder-0.5b
+QWEN_CONFIGS := transformers,transformers-assisted,transformers-prompt-lookup,llama.cpp,llama.cpp-speculative,llama.cpp-ngram,dflash2,dflash2-ngram-sync,dflash2-ar-sync,dflash2-ar-async,dflash2-hybrid-sync
+
+# one section per dataset (about 1.5 hours each on a 2-core CPU)
 bench-qwen: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-matrix --llama-cpp "$$($(BIN)/python scripts/llama_cpp.py)" \
-		--configs transformers,transformers-assisted,transformers-prompt-lookup,llama.cpp,llama.cpp-speculative,llama.cpp-ngram,dflash2,dflash2-ngram-sync,dflash2-ar-sync,dflash2-ar-async,dflash2-hybrid-sync
+	for dataset in humaneval mtbench; do \
+		HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --datasets $$dataset --section qwen-matrix-$$dataset \
+			--llama-cpp "$$($(BIN)/python scripts/llama_cpp.py)" --configs $(QWEN_CONFIGS) || exit 1; \
+	done
 	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-sweep --doc docs/tuning.md --limit 4 --sweep block-size \
 		--sweep-config dflash2-ar-sync --block-sizes 3,5,7,9,13
 	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-weights --doc docs/tuning.md --limit 4 --sweep drafter-weights \

@@ -46,7 +46,7 @@ def main() -> None:
     texts: dict[str, list[str]] = {name: [] for name in models}
     for r in range(args.rounds):
         for prompt in prompts:
-            for name, model in (models.items() if r % 2 == 0 else reversed(models.items())):
+            for name, model in models.items() if r % 2 == 0 else reversed(models.items()):
                 model.prefixes.clear()  # a round's prompt was stored by the round before
                 start = time.perf_counter()
                 completion = model.generate(prompt, max_new_tokens=args.max_new_tokens)

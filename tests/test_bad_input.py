@@ -185,9 +185,7 @@ BREACHES = [
 
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
 @pytest.mark.parametrize(("breach", "hint"), BREACHES, ids=[b for b, _ in BREACHES])
-def test_a_drafter_that_breaks_its_contract(
-    breach: str, hint: str, pipeline: str, tiny_model: dflash2.Model
-) -> None:
+def test_a_drafter_that_breaks_its_contract(breach: str, hint: str, pipeline: str, tiny_model: dflash2.Model) -> None:
     model = tiny_model.with_drafter(ContractBreakingDrafter(breach))
     model.lengths = DraftLengthPolicy(mode="fixed")  # every step asks for whole blocks
     raises_quickly(DrafterError, f"the drafter 'breaking' {hint}",

@@ -127,6 +127,21 @@ def test_matrix_without_its_reference_is_refused_before_loading() -> None:
         main(_args("--model", "/nonexistent", "--configs", "dflash2,dflash2-ngram-sync"))
 
 
+def test_a_quantized_target_is_checked_against_its_own_plain_decoding(tiny_llama: Path, tmp_path: Path) -> None:
+    args = _args(
+        "--model", str(tiny_llama), "--limit", "1", "--max-new-tokens", "8", "--datasets", "humaneval",
+        "--weights", "int8", "--configs", "transformers,dflash2,dflash2-ngram-sync",
+        "--out", str(tmp_path), "--doc", str(tmp_path / "benchmarks.md"), "--no-progress",
+    )  # fmt: skip
+    rows = {r.config: r for r in main(args)}
+    assert rows["dflash2-ngram-sync"].all_identical and rows["dflash2"].speedup == pytest.approx(1.0)
+    assert not rows["transformers"].exact  # the full-precision weights: marked, not flagged
+    section = _section(tmp_path / "benchmarks.md", "matrix")
+    assert "speedup vs dflash2" in section and "int8 weights" in section and "--weights int8" in section
+    with pytest.raises(SystemExit, match="add 'dflash2' to --configs"):
+        main(_args("--model", "/nonexistent", "--weights", "int4", "--configs", "transformers"))
+
+
 def test_prompts_of_length(tiny_llama: Path) -> None:
     from dflash2.runtime.loader import load_tokenizer
 

@@ -49,14 +49,22 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-def exact_marginals(path: Path, prompt_ids: list[int], config: SamplingConfig, last: int = 3) -> list[np.ndarray]:
-    """P(t_2) .. P(t_last) under the target alone, by enumerating every prefix."""
+def exact_marginals(
+    path: Path, prompt_ids: list[int], config: SamplingConfig, last: int = 3, model: dflash2.Model | None = None
+) -> list[np.ndarray]:
+    """P(t_2) .. P(t_last) under the target alone, by enumerating every prefix: transformers' model
+    in float64, or ``model``'s own target (a quantized one: its logits are the reference)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval() if model is None else None
 
     def dist(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
+        with torch.inference_mode():
+            if hf is None:
+                assert model is not None
+                logits = model.target(torch.tensor([ids]), model.target.new_cache(len(ids))).logits
+                assert logits is not None
+                return probabilities(logits[0, -1], config).double()
             return probabilities(hf(torch.tensor([ids])).logits[0, -1], config).double()
 
     marginals = [torch.zeros(VOCAB8, dtype=torch.float64) for _ in range(last - 1)]
@@ -137,6 +145,17 @@ def test_speculative_sampling_matches_the_target(name: str, config: SamplingConf
     check_marginals(counts, exact_marginals(paths["target"], prompt_ids, config))
     if name not in ("plain", "ngram"):
         assert accepted[0] > 0  # the rejection path and the acceptance path both ran
+
+
+@pytest.mark.parametrize(("name", "weights"), [("autoregressive", "int8"), ("dflash2", "int4"), ("hybrid", "int4")])
+def test_speculative_sampling_matches_a_quantized_target(name: str, weights: str, paths: dict[str, Path]) -> None:
+    """A target in quantized weights: the distribution is its own, computed token by token."""
+    config = CONFIGS[1]
+    model = dflash2.load(paths["target"], drafter=drafter_for(name, paths), block_size=3, weights=weights)
+    prompt_ids = model.tokenizer(PROMPT).input_ids
+    *counts, accepted = sample_marginals(model, config, 3, pipeline="sync")
+    check_marginals(counts, exact_marginals(paths["target"], prompt_ids, config, model=model))
+    assert accepted[0] > 0
 
 
 @pytest.mark.parametrize(("name", "config"), [("autoregressive", CONFIGS[0]), ("dflash2", CONFIGS[1])])

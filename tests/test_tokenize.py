@@ -6,7 +6,7 @@ import pytest
 from tiny import byte_tokenizer
 
 from dflash2 import InvalidPromptError
-from dflash2.tokenize import IncrementalDetokenizer, StopMatcher, encode_prompt
+from dflash2.tokenize import IncrementalDetokenizer, StopMatcher, common_prefix, encode_prompt
 
 TEXTS = [
     "héllo wörld",
@@ -96,3 +96,19 @@ def test_no_chat_template() -> None:
     tok.chat_template = None
     with pytest.raises(InvalidPromptError, match="chat template"):
         encode_prompt(tok, [{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "limit", "expected"),
+    [
+        ([1, 2, 3], [1, 2, 4], None, 2),
+        ([1, 2, 3], [1, 2, 3, 4], None, 3),
+        ((1, 2, 3), [1, 2, 3], 2, 2),
+        ([5], [6], None, 0),
+        ([], [1], None, 0),
+        ([1, 2], [1, 2], 0, 0),
+        ([1, 2], [1, 2], -1, 0),
+    ],
+)
+def test_common_prefix(a: list[int], b: list[int], limit: int | None, expected: int) -> None:
+    assert common_prefix(a, b, limit) == expected

@@ -55,7 +55,6 @@ def hf_greedy(model: Any, prompt_ids: list[int] | torch.Tensor, max_new_tokens: 
     return [int(t) for t in out[0, ids.shape[1] :]]
 
 
-
 def full_blocks(model: Any) -> Any:
     """Draft as far as the block allows every step (the draft-length policy's ``"fixed"`` mode):
     for tests of what a drafter drafts and accepts, not of how far drafting pays."""

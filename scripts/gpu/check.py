@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM
 from dflash2.api import load
 from dflash2.bench.concurrency import dflash2_level
 from dflash2.bench.data import Prompt
-from dflash2.bench.harness import Row, aggregate, machine_info, rows_as_dicts
+from dflash2.bench.harness import Row, aggregate, machine_info
 from dflash2.bench.runners import DFlash2Runner, RunResult, TransformersRunner
 from dflash2.engine.draft_length import DraftLengthPolicy
 from dflash2.engine.policy import OverlapPolicy
@@ -166,9 +166,7 @@ class _Timer:
         self.save()
 
 
-def timing(
-    work: Path, shape: str, device: str, dtype: torch.dtype, timer: _Timer, modes: tuple[str, ...]
-) -> None:
+def timing(work: Path, shape: str, device: str, dtype: torch.dtype, timer: _Timer, modes: tuple[str, ...]) -> None:
     """transformers, then dflash2 plain and each drafter: eager sync only, graphs sync and async.
 
     "identical" compares with transformers in the same dtype (the first row)."""
@@ -257,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     timers: list[_Timer] = []
 
     def save() -> None:
-        report["timing"] = [r for t in timers for r in rows_as_dicts(t.rows)]
+        report["timing"] = [asdict(r) for t in timers for r in t.rows]
         report["cold_start"] = {t.shape: t.cold for t in timers}
         report["skipped"] = {t.shape: t.skipped for t in timers if t.skipped}
         report["seconds"] = round(time.perf_counter() - begun, 1)

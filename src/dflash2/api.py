@@ -42,7 +42,7 @@ from dflash2.runtime.device import resolve_device, resolve_dtype
 from dflash2.runtime.graphs import MAX_BUCKET, DecoderPool, buckets_up_to
 from dflash2.runtime.loader import load_decoder, load_eos_ids, load_tokenizer, resolve_checkpoint
 from dflash2.runtime.model import Decoder
-from dflash2.runtime.quant import check_weight_format
+from dflash2.runtime.quant import check_target_weights, check_weight_format
 from dflash2.runtime.workers import Workers, release_thread_pool
 from dflash2.stream import BlockingTokenStream, Completion, TokenSource, TokenStream
 from dflash2.tokenize import Prompt, encode_prompt
@@ -198,9 +198,7 @@ class Model:
         lengths = None
         if self.drafter is not None:  # a seeded sample must not depend on timing: it keeps the full length
             lengths = self.lengths.start(fixed=not sampling.greedy and sampling.seed is not None)
-        request = Request(
-            self.target, prompt_ids, config, sampling, self.drafter, self.steps, lengths, self.prefixes
-        )
+        request = Request(self.target, prompt_ids, config, sampling, self.drafter, self.steps, lengths, self.prefixes)
         source: TokenSource
         if config.pipeline == "sync":
             source = SyncPipeline(request, self.batcher)
@@ -323,6 +321,7 @@ def load(
     *,
     device: str | torch.device = "auto",
     dtype: str | torch.dtype = "auto",
+    weights: str = "same",
     block_size: int | None = None,
     drafter_weights: str = "auto",
     graphs: GraphConfig | GraphMode = "auto",
@@ -331,18 +330,22 @@ def load(
 ) -> Model:
     """Load a target model from a hub id, a local directory or a ``.gguf`` file, and a drafter.
 
-    ``drafter``: ``None`` (plain decoding), ``"ngram"`` (prompt lookup), a hub id or directory
-    of a DFlash / DFlash2 drafter or of a small causal LM with the target's tokenizer, or a
-    :class:`dflash2.drafters.Drafter` object. ``block_size`` (tokens per verify forward, incl. the
-    last verified one) overrides the drafter's default. ``drafter_weights``: the precision a
-    model drafter runs in: ``"same"`` as the target, ``"bf16"``, ``"int8"`` or ``"int4"``
-    (weight-only); it changes how many drafts are accepted, never the output. ``"auto"``: int4 for
-    a small causal LM on the CPU, else the same as the target. ``graphs``: CUDA graphs (``"cuda"``, the
-    default on CUDA, captured at load), eager forwards (``"off"``, the default on the CPU), or a
-    :class:`GraphConfig`. ``max_batch``: the most concurrent streams whose steps share one target
-    forward (see ``engine.batch``). ``prefix_cache``: tokens of finished requests' state kept for
-    later requests that start the same way (a chat's or an agent's next turn prefills only what is
-    new); 0 turns it off.
+    ``drafter``: ``None`` (plain decoding), ``"ngram"`` (prompt lookup), a hub id or directory of a
+    DFlash / DFlash2 drafter or of a small causal LM with the target's tokenizer, or a
+    :class:`dflash2.drafters.Drafter` object. ``weights``: the precision the target's projections
+    and LM head are held in: ``"same"`` (as ``dtype``, the default), ``"int8"`` or ``"int4"``
+    (weight-only, on the CPU); outside ``"same"`` every token is computed as decoding it
+    alone computes it, so speculative output equals plain decoding in that mode token for token (how
+    close that is to the full-precision model is the quantization's matter). ``block_size`` (tokens
+    per verify forward, incl. the last verified one) overrides the drafter's default.
+    ``drafter_weights``: the precision a model drafter runs in: ``"same"`` as the target,
+    ``"bf16"``, ``"int8"`` or ``"int4"`` (weight-only); it changes how many drafts are accepted,
+    never the output. ``"auto"``: int4 for a small causal LM on the CPU, else the same as the
+    target. ``graphs``: CUDA graphs (``"cuda"``, the default on CUDA, captured at load), eager
+    forwards (``"off"``, the default on the CPU), or a :class:`GraphConfig`. ``max_batch``: the most
+    concurrent streams whose steps share one target forward (see ``engine.batch``).
+    ``prefix_cache``: tokens of finished requests' state kept for later requests that start the same
+    way (a chat's or an agent's next turn prefills only what is new); 0 turns it off.
     """
     if not isinstance(max_batch, int) or isinstance(max_batch, bool) or not 1 <= max_batch <= 256:
         raise InvalidOptionError(f"max_batch must be an int in [1, 256], got {max_batch!r}.")
@@ -353,13 +356,20 @@ def load(
         SpeculativeConfig(block_size=block_size)  # fail before loading anything
     if drafter_weights != "auto":
         check_weight_format(drafter_weights, "drafter_weights")
+    target_weights = check_target_weights(weights)
     graph_config = GraphConfig.of(graphs)
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
-    graph_config.resolve(resolved_device.type)  # fail before loading anything
+    steps = graph_config.resolve(resolved_device.type)  # fail before loading anything
+    if target_weights != "same" and (steps != "off" or resolved_device.type != "cpu"):
+        raise InvalidOptionError(
+            f"weights={target_weights!r} runs on the CPU with eager forwards (graphs='off'); "
+            f"got device {resolved_device.type!r}, graphs {steps!r}. Use weights='same' there."
+        )
     checkpoint = resolve_checkpoint(target)
     try:
         decoder = load_decoder(checkpoint, resolved_dtype, resolved_device)
+        decoder.quantize(target_weights)
         decoder.pack()
         tokenizer = load_tokenizer(checkpoint)
         eos = load_eos_ids(checkpoint, decoder.spec)

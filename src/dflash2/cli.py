@@ -80,7 +80,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    model = load(args.model, device=args.device, dtype=args.dtype)
+    model = load(args.model, device=args.device, dtype=args.dtype, weights=args.weights)
     prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     options = {
         "max_new_tokens": args.max_new_tokens,
@@ -164,8 +164,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     drafter: Any = None if not drafters else drafters[0] if len(drafters) == 1 else drafters
     limits = Limits(args.max_tokens, args.max_body_bytes, args.strict_model_name)  # checked before the load
     model = load(
-        args.model, drafter=drafter, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-        prefix_cache=args.prefix_cache,
+        args.model, drafter=drafter, device=args.device, dtype=args.dtype, weights=args.weights,
+        max_batch=args.max_batch, prefix_cache=args.prefix_cache,
     )  # fmt: skip
     app = create_app(model, args.name, limits)
     print(f"serving {args.name or model.checkpoint.name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
@@ -178,6 +178,9 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
     report = check_drafter(args.drafter, args.target)
     print(report.render())
     return 0 if report.fits else 1
+
+
+WEIGHTS_HELP = "the target's weights: same (as --dtype), int8 or int4 (weight-only, CPU)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--weights", default="same", help=WEIGHTS_HELP)
     gen.set_defaults(func=cmd_generate)
 
     from dflash2.bench.run import add_arguments
@@ -294,6 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="refuse requests naming another model (404); by default any name gets the served model",
     )
+    serve.add_argument("--weights", default="same", help=WEIGHTS_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens allowed (and the default)")

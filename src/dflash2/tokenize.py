@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from dflash2.errors import InvalidPromptError
@@ -31,6 +32,15 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Any) -> list[int]:
     if not ids:
         raise InvalidPromptError("the prompt encodes to zero tokens; pass some text.")
     return ids
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """Length of the longest common prefix of two token sequences, at most ``limit``."""
+    n = min(len(a), len(b), len(a) if limit is None else limit)
+    if n <= 0:
+        return 0
+    differ = (torch.tensor(a[:n]) != torch.tensor(b[:n])).nonzero()
+    return int(differ[0, 0]) if len(differ) else n
 
 
 def _encode_messages(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Any]) -> list[int]:

@@ -13,7 +13,6 @@ thread dflash2 computes on; it has no time to first token.
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ import torch
 
 from dflash2.api import Model
 from dflash2.bench.data import Prompt
+from dflash2.bench.report import pyplot, save
 from dflash2.tokenize import encode_prompt
 
 PEER = "transformers-batch"
@@ -156,22 +156,14 @@ def levels_table(levels: Sequence[Level]) -> str:
     return "\n".join(lines)
 
 
-def write_levels_json(path: Path, machine: dict[str, Any], settings: dict[str, Any], levels: Sequence[Level]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [{**asdict(lv), "tokens_per_second": lv.tokens_per_second} for lv in levels]
-    path.write_text(json.dumps({"machine": machine, "settings": settings, "levels": rows}, indent=2) + "\n")
-    return path
+def levels_as_dicts(levels: Sequence[Level]) -> list[dict[str, Any]]:
+    return [{**asdict(lv), "tokens_per_second": lv.tokens_per_second} for lv in levels]
 
 
 def plot_levels(levels: Sequence[Level], path: Path) -> Path:
     """Aggregate tokens/s against concurrent streams, one panel per dataset."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     datasets = sorted({lv.dataset for lv in levels})
-    fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4), squeeze=False)
     for ax, dataset in zip(axes[0], datasets, strict=True):
         for config in dict.fromkeys(lv.config for lv in levels):
             points = [lv for lv in levels if lv.dataset == dataset and lv.config == config]
@@ -181,8 +173,4 @@ def plot_levels(levels: Sequence[Level], path: Path) -> Path:
         ax.set_xticks(ticks, labels=[str(t) for t in ticks])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)

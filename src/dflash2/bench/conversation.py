@@ -14,12 +14,9 @@ without its prompt cache (``cache_prompt``), runs the GGUF's own weights and so 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -157,12 +154,3 @@ def conversation_table(turns: Sequence[Turn]) -> str:
 
 def _pair(cold: Turn | None, warm: Turn | None, name: str, digits: int) -> str:
     return " / ".join(f"{getattr(t, name):.{digits}f}" if t is not None else "–" for t in (cold, warm))
-
-
-def write_conversation_json(
-    path: Path, machine: dict[str, Any], settings: dict[str, Any], turns: Sequence[Turn]
-) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"machine": machine, "settings": settings, "turns": [asdict(t) for t in turns]}
-    path.write_text(json.dumps(data, indent=2))
-    return path

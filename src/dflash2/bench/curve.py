@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from safetensors.torch import load_file
 
 from dflash2.api import Model
 from dflash2.bench.data import Prompt
+from dflash2.bench.report import pyplot, save
 from dflash2.config import Pipeline
 from dflash2.drafters.dflash import DFlashSpec, load_dflash_drafter, ours_to_zlab
 from dflash2.engine.draft_length import DraftLengthPolicy
@@ -104,12 +105,7 @@ def curve_table(points: Sequence[CurvePoint]) -> str:
 
 
 def plot_curve(points: Sequence[CurvePoint], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    fig, ax = pyplot().subplots(figsize=(6.5, 4.0))
     for dataset in dict.fromkeys(p.dataset for p in points):
         mine = [p for p in points if p.dataset == dataset]
         ax.plot(
@@ -120,12 +116,4 @@ def plot_curve(points: Sequence[CurvePoint], path: Path) -> Path:
     ax.set_title("shipped drafter: acceptance vs training")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def points_as_dicts(points: Sequence[CurvePoint]) -> list[dict[str, object]]:
-    return [asdict(p) for p in points]
+    return save(fig, path)

@@ -7,7 +7,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -162,7 +162,3 @@ def machine_info() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "commit": commit,
     }
-
-
-def rows_as_dicts(rows: Sequence[Row]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in rows]

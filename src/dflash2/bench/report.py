@@ -4,16 +4,41 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Sequence
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash2.bench.harness import Row, rows_as_dicts
+from dflash2.bench.harness import Row
 
 
-def write_json(path: Path, machine: dict[str, Any], settings: dict[str, Any], rows: Sequence[Row]) -> Path:
+def write_record(
+    out: Path, section: str, machine: dict[str, Any], settings: dict[str, Any], key: str, items: Sequence[Any]
+) -> Path:
+    """``OUT/SECTION-DATE-TIME.json``: the machine, the settings, and under ``key`` the items (dataclasses or dicts)."""
+    path = out / f"{section}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"machine": machine, "settings": settings, "rows": rows_as_dicts(rows)}, indent=2))
+    records = [asdict(item) if is_dataclass(item) and not isinstance(item, type) else item for item in items]
+    path.write_text(json.dumps({"machine": machine, "settings": settings, key: records}, indent=2) + "\n")
+    return path
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
     return path
 
 
@@ -21,12 +46,13 @@ def _fmt(value: float | None, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
-def markdown_table(rows: Sequence[Row]) -> str:
+def markdown_table(rows: Sequence[Row], reference: str = "transformers") -> str:
     """One line per configuration and dataset; rows without 100 % identical outputs are flagged
     (a peer that runs other weights, llama.cpp on the GGUF itself, is marked instead)."""
     plain = any(r.speedup_plain is not None for r in rows)
     lines = [
-        "| dataset | configuration | tokens/s | speedup vs transformers " + ("| × dflash2 plain " if plain else "")
+        f"| dataset | configuration | tokens/s | speedup vs {reference} "
+        + ("| × dflash2 plain " if plain else "")
         + "| tokens per target forward | TTFT (s) | overlap | overlap bound | bubble | pre-draft hits | identical |",
         "|---|---|---:|---:|" + ("---:|" if plain else "") + "---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -54,11 +80,7 @@ def update_section(doc: Path, name: str, content: str) -> None:
 
 
 def plot_tokens_per_second(rows: Sequence[Row], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     datasets = list(dict.fromkeys(r.dataset for r in rows))
     configs = list(dict.fromkeys(r.config for r in rows))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(configs) * len(datasets)), 4.0))
@@ -77,19 +99,11 @@ def plot_tokens_per_second(rows: Sequence[Row], path: Path) -> Path:
     ax.set_ylabel("tokens / s")
     ax.set_title("Greedy decoding throughput (hatched: outputs not identical)")
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def plot_acceptance_histogram(rows: Sequence[Row], path: Path) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     spec = [r for r in rows if r.acceptance_lengths and max(r.acceptance_lengths) > 1]
     if not spec:
         return None
@@ -107,7 +121,4 @@ def plot_acceptance_histogram(rows: Sequence[Row], path: Path) -> Path | None:
     ax.set_xlabel("tokens per target forward")
     ax.set_ylabel("share of steps")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +13,10 @@ from dflash2.bench.concurrency import (
     PEER,
     Level,
     dflash2_level,
+    levels_as_dicts,
     levels_table,
     plot_levels,
     transformers_level,
-    write_levels_json,
 )
 from dflash2.bench.conversation import (
     TURNS,
@@ -26,14 +24,12 @@ from dflash2.bench.conversation import (
     conversation_table,
     dflash2_conversation,
     llama_conversation,
-    write_conversation_json,
 )
 from dflash2.bench.curve import (
     CurvePoint,
     acceptance_curve,
     curve_table,
     plot_curve,
-    points_as_dicts,
 )
 from dflash2.bench.data import Prompt, load_dataset
 from dflash2.bench.harness import Row, machine_info, run_matrix
@@ -43,7 +39,7 @@ from dflash2.bench.report import (
     plot_acceptance_histogram,
     plot_tokens_per_second,
     update_section,
-    write_json,
+    write_record,
 )
 from dflash2.bench.runners import DFlash2Runner, LlamaServerRunner, Runner, TransformersRunner
 from dflash2.bench.sweep import (
@@ -57,7 +53,6 @@ from dflash2.bench.sweep import (
     plot_prompt_length,
     prompt_length_sweep,
     prompt_length_table,
-    write_sweep_json,
 )
 from dflash2.engine.draft_length import DraftLengthPolicy
 from dflash2.engine.policy import OverlapPolicy, Schedule
@@ -138,6 +133,9 @@ def build_runners(
                 if fixed:
                     with_drafter[key].lengths = DraftLengthPolicy(mode="fixed")
             runners.append(DFlash2Runner(with_drafter[key], name, pipeline=pipeline))
+    for runner in runners:  # transformers runs the full-precision weights, not a quantized target's
+        if isinstance(runner, TransformersRunner):
+            runner.exact = model.target.weights == "same"
     return runners
 
 
@@ -175,6 +173,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ar-drafter", default=None, help="small causal LM with the target's tokenizer (or a name)")
     parser.add_argument(
         "--drafter-weights", default="auto", help="precision of model drafters: auto, same, bf16, int8, int4"
+    )
+    parser.add_argument(
+        "--weights", default="same", help="the target's weights in dflash2's rows: same, int8, int4 (matrix only)"
     )
     parser.add_argument("--llama-cpp", type=Path, default=None, help="folder of llama.cpp's binaries (llama-server)")
     parser.add_argument("--dflash-drafter", default=None, help="DFlash / DFlash2 drafter (z-lab format)")
@@ -222,12 +223,17 @@ def _ints(text: str) -> list[int]:
 def main(args: argparse.Namespace) -> list[Row]:
     configs = [c.strip() for c in args.configs.split(",")]
     special = args.sweep or args.training_curve or args.concurrency or args.conversation
-    if not special and "transformers" not in configs:
-        raise SystemExit("every row is checked against transformers plain greedy: add 'transformers' to --configs")
+    # fp32 rows must equal transformers'; a quantized target's, dflash2's plain decoding in its weights
+    reference = "transformers" if args.weights == "same" else "dflash2"
+    if special and args.weights != "same":
+        raise SystemExit("--weights applies to the matrix (rows checked against dflash2's plain decoding)")
+    if not special and reference not in configs:
+        raise SystemExit(f"every row is checked against {reference} plain greedy: add '{reference}' to --configs")
     if args.threads:
         torch.set_num_threads(args.threads)
     source: Any = _model_path(args.model or "smollm2-135m")
-    model = load(source, device="cpu", prefix_cache=0)  # every prompt prefilled anew, as in every peer
+    # every prompt prefilled anew, as in every peer
+    model = load(source, device="cpu", weights=args.weights, prefix_cache=0)
     drafters = {"ngram": "ngram", "ar": _model_path(args.ar_drafter), "dflash": args.dflash_drafter}
     # the hybrid: prompt lookup first, then the DFlash drafter (or else the small LM)
     model_drafter, model_kind = (drafters["dflash"], "dflash") if args.dflash_drafter else (drafters["ar"], "ar")
@@ -245,7 +251,7 @@ def main(args: argparse.Namespace) -> list[Row]:
     if args.training_curve is not None:
         curve_main(args, model, source)
         return []
-    prompts: list[Prompt] = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
+    prompts = _prompts(args)
     gguf = Path(str(source)) if str(source).endswith(".gguf") else None
     runners = build_runners(
         model, configs, drafters, block_sizes, args.schedule, args.drafter_weights, args.llama_cpp, gguf
@@ -256,7 +262,7 @@ def main(args: argparse.Namespace) -> list[Row]:
             prompts,
             encode=lambda prompt: encode_prompt(model.tokenizer, prompt),
             max_new_tokens=args.max_new_tokens,
-            reference="transformers",
+            reference=reference,
             progress=not args.no_progress,
         )
     finally:
@@ -278,27 +284,16 @@ def main(args: argparse.Namespace) -> list[Row]:
         "plain_decoding_limit_tokens_per_second": plain_decoding_limit(bandwidth, weights),
     }
     section = args.section or "matrix"
-    json_path = write_json(args.out / f"{section}-{time.strftime('%Y%m%d-%H%M%S')}.json", machine, settings, rows)
+    json_path = write_record(args.out, section, machine, settings, "rows", rows)
     image_dir = args.doc.parent / "images"
     bars = plot_tokens_per_second(rows, image_dir / f"{section}-tokens-per-second.png")
     hist = plot_acceptance_histogram(rows, image_dir / f"{section}-acceptance.png")
-    table = markdown_table(rows)
-    body = [
-        _measured(machine, source, f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens"),
-        "",
-        "Command: `dflash2 bench " + " ".join(_cli_args(args)) + "`",
-        "",
-        table,
-        "",
-        _limit_sentence(model, bandwidth, weights),
-        "",
-        f"![tokens per second](images/{bars.name})",
-    ]
+    parts = [markdown_table(rows, reference), _limit_sentence(model, bandwidth, weights)]
+    parts.append(f"![tokens per second](images/{bars.name})")
     if hist is not None:
-        body += ["", f"![acceptance lengths](images/{hist.name})"]
-    body += ["", f"Raw results: `{json_path}`."]
-    update_section(args.doc, section, "\n".join(body))
-    print(table)
+        parts.append(f"![acceptance lengths](images/{hist.name})")
+    amount = f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens"
+    _publish(args, section, machine, source, amount, parts, json_path)
     return rows
 
 
@@ -331,7 +326,7 @@ def sweep_main(
         by_length = prompt_length_sweep(
             runners, model.tokenizer, texts, fits, args.limit, args.max_new_tokens, progress=progress
         )
-    prompts = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
+    prompts = _prompts(args)
     by_block: list[Point] = []
     if "block-size" in sweeps:
         sizes = _ints(args.block_sizes)
@@ -379,58 +374,42 @@ def sweep_main(
     }
     section = args.section or "sweep"
     points = by_length + by_block + by_weights
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    json_path = write_sweep_json(args.out / f"{section}-{stamp}.json", machine, settings, points)
+    json_path = write_record(args.out, section, machine, settings, "points", [p.as_dict() for p in points])
     image_dir = args.doc.parent / "images"
-    body = [
-        _measured(machine, source, f"{args.limit} prompts per point, {args.max_new_tokens} new tokens"),
-        "",
-        "Command: `dflash2 bench " + " ".join(_cli_args(args)) + "`",
-    ]
+    parts: list[str] = []
     if "prompt-length" in sweeps:
-        body += [
-            "",
+        parts += [
             "### Speed vs prompt length",
-            "",
             f"HumanEval prompt text, repeated and cut to each length (raw completion); `{config}` drafts blocks "
             f"of {drafted.model.drafter.block_size}.",
         ]
         if settings["skipped_prompt_lengths"]:
-            body += [
-                "",
+            parts.append(
                 f"Skipped {settings['skipped_prompt_lengths']}: prompt plus {args.max_new_tokens} new tokens "
-                f"exceeds the model's context of {model.max_context}.",
-            ]
+                f"exceeds the model's context of {model.max_context}."
+            )
         if by_length:
             plot = plot_prompt_length(by_length, limit, image_dir / f"{section}-prompt-length.png")
-            body += ["", prompt_length_table(by_length), "", _limit_sentence(model, bandwidth, weights)]
-            body += ["", f"![tokens per second vs prompt length](images/{plot.name})"]
+            parts += [prompt_length_table(by_length), _limit_sentence(model, bandwidth, weights)]
+            parts.append(f"![tokens per second vs prompt length](images/{plot.name})")
     if by_block:
         plot = plot_block_size(by_block, image_dir / f"{section}-block-size.png")
-        body += [
-            "",
+        parts += [
             "### Block size",
-            "",
             f"`{config}` drafting whole blocks of each size, and (`-auto`) as far as the draft-length policy "
             f"chooses, on {args.datasets}; speedup is against transformers on the same prompts.",
-            "",
             block_size_table(by_block),
-            "",
             f"![tokens per second and acceptance vs block size](images/{plot.name})",
         ]
     if by_weights:
-        body += [
-            "",
+        parts += [
             "### Drafter weights",
-            "",
             f"`{config}` with its model drafter's weights in each precision (draft lengths chosen by the policy), "
             f"on {args.datasets}.",
-            "",
             drafter_weights_table(by_weights),
         ]
-    body += ["", f"Raw results: `{json_path}`."]
-    update_section(args.doc, section, "\n".join(body))
-    print("\n\n".join(line for line in body if line.startswith("|")))
+    amount = f"{args.limit} prompts per point, {args.max_new_tokens} new tokens"
+    _publish(args, section, machine, source, amount, parts, json_path)
     return points
 
 
@@ -470,24 +449,12 @@ def concurrency_main(
         "max_batch": model.batcher.max_batch,
     }
     section = args.section or "concurrency"
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    json_path = write_levels_json(args.out / f"{section}-{stamp}.json", machine, settings, levels)
+    json_path = write_record(args.out, section, machine, settings, "levels", levels_as_dicts(levels))
     plot = plot_levels(levels, args.doc.parent / "images" / f"{section}.png")
-    table = levels_table(levels)
-    body = [
-        _measured(machine, source, f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens"),
-        "",
-        "Command: `dflash2 bench " + " ".join(_cli_args(args)) + "`. Identical = the same tokens as the prompt "
-        "generated alone by dflash2's plain greedy decoding.",
-        "",
-        table,
-        "",
-        f"![aggregate tokens per second vs concurrent streams](images/{plot.name})",
-        "",
-        f"Raw results: `{json_path}`.",
-    ]
-    update_section(args.doc, section, "\n".join(body))
-    print(table)
+    amount = f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens"
+    note = ". Identical = the same tokens as the prompt generated alone by dflash2's plain greedy decoding."
+    parts = [levels_table(levels), f"![aggregate tokens per second vs concurrent streams](images/{plot.name})"]
+    _publish(args, section, machine, source, amount, parts, json_path, note)
     return levels
 
 
@@ -528,50 +495,54 @@ def conversation_main(
     settings = {"model": str(source), "max_new_tokens": args.max_new_tokens, "configs": configs,
                 "prefix_cache": args.prefix_cache, "identical_with_and_without_cache": identical}  # fmt: skip
     section = args.section or "conversation"
-    json_path = write_conversation_json(
-        args.out / f"{section}-{time.strftime('%Y%m%d-%H%M%S')}.json", machine, settings, turns
-    )
+    json_path = write_record(args.out, section, machine, settings, "turns", turns)
     same = ", ".join(f"{name}: {'identical' if ok else 'NOT IDENTICAL'}" for name, ok in identical.items())
-    body = [
-        _measured(machine, source, f"8 turns, up to {args.max_new_tokens} new tokens each"),
-        "",
-        "Command: `dflash2 bench " + " ".join(_cli_args(args)) + "`. Every turn's text with the prefix cache "
-        f"against without it ({same}).",
-        "",
-        conversation_table(turns),
-        "",
-        f"Raw results: `{json_path}`.",
-    ]
-    update_section(args.doc, section, "\n".join(body))
-    print(conversation_table(turns))
+    note = f". Every turn's text with the prefix cache against without it ({same})."
+    amount = f"8 turns, up to {args.max_new_tokens} new tokens each"
+    _publish(args, section, machine, source, amount, [conversation_table(turns)], json_path, note)
     return turns
 
 
 def curve_main(args: argparse.Namespace, model: Model, source: Any) -> list[CurvePoint]:
     """``--training-curve RUN``: tokens per target forward of each kept checkpoint of a training run."""
-    prompts = [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
+    prompts = _prompts(args)
     references = {
         i: model.generate(p.prompt, max_new_tokens=args.max_new_tokens).token_ids for i, p in enumerate(prompts)
     }
     machine = machine_info()
-    body = [
-        _measured(machine, source, f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens"),
-        "",
-        "Command: `dflash2 bench " + " ".join(_cli_args(args)) + "`. Greedy; identical = the same tokens as "
-        "dflash2's plain decoding (itself identical to transformers in the matrix above).",
-    ]
     section = args.section or "training-curve"
     points = acceptance_curve(model, args.training_curve, prompts, args.max_new_tokens, references)
-    record = {"machine": machine, "run": str(args.training_curve), "points": points_as_dicts(points)}
     plot = plot_curve(points, args.doc.parent / "images" / f"{section}.png")
-    body += ["", curve_table(points), "", f"![acceptance vs training](images/{plot.name})"]
-    json_path = args.out / f"{section}-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(record, indent=2))
-    body += ["", f"Raw results: `{json_path}`."]
-    update_section(args.doc, section, "\n".join(body))
-    print("\n".join(line for line in body if line.startswith("|")))
+    settings = {"run": str(args.training_curve), "datasets": args.datasets, "limit": args.limit}
+    json_path = write_record(args.out, section, machine, settings, "points", points)
+    note = (". Greedy; identical = the same tokens as dflash2's plain decoding (itself identical to transformers "
+            "in the matrix above).")  # fmt: skip
+    amount = f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens"
+    parts = [curve_table(points), f"![acceptance vs training](images/{plot.name})"]
+    _publish(args, section, machine, source, amount, parts, json_path, note)
     return points
+
+
+def _prompts(args: argparse.Namespace) -> list[Prompt]:
+    return [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
+
+
+def _publish(
+    args: argparse.Namespace,
+    section: str,
+    machine: dict[str, Any],
+    source: Any,
+    amount: str,
+    parts: list[str],
+    json_path: Path,
+    note: str = "",
+) -> None:
+    """(Re)write ``section`` of ``args.doc``: where and how it was measured, the command, ``parts`` (paragraphs,
+    tables, images), the raw results' path; print its tables."""
+    command = f"Command: `{_command(args)}`{note}"
+    body = "\n\n".join([_measured(machine, source, amount), command, *parts, f"Raw results: `{json_path}`."])
+    update_section(args.doc, section, body)
+    print("\n".join(line for line in body.splitlines() if line.startswith("|")))
 
 
 def _measured(machine: dict[str, Any], source: Any, amount: str) -> str:
@@ -583,44 +554,24 @@ def _measured(machine: dict[str, Any], source: Any, amount: str) -> str:
 
 
 def _limit_sentence(model: Model, bandwidth: float, weights: int) -> str:
-    dtype = str(model.dtype).removeprefix("torch.")
+    dtype = str(model.dtype).removeprefix("torch.") if model.target.weights == "same" else model.target.weights
     return (
         f"Memory bandwidth measured in the same run: {bandwidth:.1f} GB/s; {dtype} weights {weights / 1e6:.0f} MB, "
         f"so plain decoding cannot exceed about {plain_decoding_limit(bandwidth, weights):.0f} tokens/s."
     )
 
 
-def _cli_args(args: argparse.Namespace) -> list[str]:
-    out = [f"--datasets {args.datasets}", f"--limit {args.limit}", f"--max-new-tokens {args.max_new_tokens}"]
-    if args.sweep:
-        out += [f"--sweep {args.sweep}", f"--sweep-config {args.sweep_config}"]
-        out += [f"--prompt-lengths {args.prompt_lengths}", f"--block-sizes {args.block_sizes}"]
-        if "drafter-weights" in args.sweep:
-            out.append(f"--drafter-weights-list {args.drafter_weights_list}")
-    elif args.training_curve:
-        out.append(f"--training-curve {args.training_curve}")
-    elif args.concurrency:
-        out += [f"--concurrency {args.concurrency}", f"--concurrency-configs {args.concurrency_configs}"]
-    elif args.conversation:
-        out += [f"--conversation {args.conversation}", f"--prefix-cache {args.prefix_cache}"]
-    else:
-        out.append(f"--configs {args.configs}")
-    if args.schedule != "auto":
-        out.append(f"--schedule {args.schedule}")
-    if args.drafter_weights != "auto":
-        out.append(f"--drafter-weights {args.drafter_weights}")
-    if args.llama_cpp:
-        out.append("--llama-cpp LLAMA_CPP_BIN")
-    if args.model:
-        out.insert(0, f"--model {args.model}")
-    if args.threads:
-        out.append(f"--threads {args.threads}")
-    for kind in ("ar", "dflash"):
-        if getattr(args, f"{kind}_drafter"):
-            out.append(f"--{kind}-drafter {getattr(args, f'{kind}_drafter')}")
-    for kind in ("ngram", "ar", "dflash"):
-        if getattr(args, f"{kind}_block_size"):
-            out.append(f"--{kind}-block-size {getattr(args, f'{kind}_block_size')}")
-    if args.section:
-        out.append(f"--section {args.section}")
-    return out
+SHOWN = ("model", "datasets", "limit", "max_new_tokens")  # in every command, even at their defaults
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The ``dflash2 bench`` command line that repeats this run (llama.cpp's folder left as a placeholder)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    words = ["dflash2 bench"]
+    for key, default in vars(parser.parse_args([])).items():
+        value = getattr(args, key)
+        if key == "no_progress" or value is None or (value == default and key not in SHOWN):
+            continue
+        words.append(f"--{key.replace('_', '-')} {'LLAMA_CPP_BIN' if key == 'llama_cpp' else value}")
+    return " ".join(words)

@@ -6,7 +6,6 @@ Every point goes through :func:`run_matrix`, so each output is checked against t
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -17,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash2.bench.data import Prompt
 from dflash2.bench.harness import Row, run_matrix
+from dflash2.bench.report import pyplot, save
 from dflash2.bench.runners import Runner
 from dflash2.tokenize import encode_prompt
 
@@ -117,13 +117,6 @@ def drafted_sweep(
     return [Point(sweep, size[r.config], actual[r.dataset], r) for r in rows if r.config in size]
 
 
-def write_sweep_json(path: Path, machine: dict[str, Any], settings: dict[str, Any], points: Sequence[Point]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"machine": machine, "settings": settings, "points": [p.as_dict() for p in points]}
-    path.write_text(json.dumps(data, indent=2))
-    return path
-
-
 def _fmt(value: float | None, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
@@ -178,15 +171,6 @@ def drafter_weights_table(points: Sequence[Point]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _mark_not_identical(ax: Any, points: Sequence[Point], y: Any) -> None:
     bad = [p for p in points if not p.row.all_identical]
     if bad:
@@ -195,7 +179,7 @@ def _mark_not_identical(ax: Any, points: Sequence[Point], y: Any) -> None:
 
 def plot_prompt_length(points: Sequence[Point], plain_limit: float, path: Path) -> Path:
     """Tokens/s vs prompt length per configuration, with the plain-decoding bandwidth limit."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.0, 4.5))
     for config in dict.fromkeys(p.row.config for p in points):
         mine = [p for p in points if p.row.config == config]
@@ -216,16 +200,12 @@ def plot_prompt_length(points: Sequence[Point], plain_limit: float, path: Path) 
     ax.set_ylabel("tokens / s")
     ax.set_title("Greedy decoding speed vs prompt length (red ×: outputs not identical)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def plot_block_size(points: Sequence[Point], path: Path) -> Path:
     """Tokens/s (left) and tokens per target forward (right) vs block size, one line per dataset."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (speed, accept) = plt.subplots(1, 2, figsize=(10.0, 4.0))
     for dataset in dict.fromkeys(p.row.dataset for p in points):
         mine = [p for p in points if p.row.dataset == dataset]
@@ -240,8 +220,4 @@ def plot_block_size(points: Sequence[Point], path: Path) -> Path:
         ax.legend(fontsize=8)
     configs = ", ".join(dict.fromkeys(p.row.config.split("@")[0] for p in points))
     fig.suptitle(f"{configs}: block size (red ×: outputs not identical)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)

@@ -22,6 +22,7 @@ from dflash2.runtime.graphs import MAX_BUCKET, DecoderPool, Slot, StepMode
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.model import Decoder
 from dflash2.sampling import probabilities, sample
+from dflash2.tokenize import common_prefix
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,7 @@ class AutoregressiveSession:
     def _resume(self, state: DraftState) -> None:
         """Start from the state an earlier session left for a text this one's starts with."""
         assert self._cache is not None
-        n = min(len(state.tokens), len(self._seq) - 1)  # the last token is fed to get logits
-        common = next((i for i in range(n) if state.tokens[i] != self._seq[i]), n)
+        common = common_prefix(state.tokens, self._seq, len(self._seq) - 1)  # the last token is fed for logits
         if common == 0:
             return
         self._cache.k[:, 0, :, :common] = state.keys[:, :, :common]
@@ -146,10 +146,7 @@ class AutoregressiveSession:
         ``stop_early`` fewer when the engine says another token does not pay. Returns the tokens,
         their distributions (sampling only) and the drafter's probability of each."""
         assert self._cache is not None
-        common = 0
-        limit = min(len(self._cached), len(context) - 1)  # the last token must be fed to get logits
-        while common < limit and self._cached[common] == context[common]:
-            common += 1
+        common = common_prefix(self._cached, context, len(context) - 1)  # the last token is fed for logits
         self._cache.rollback(common)
         del self._cached[common:]
         logits = self._feed(context[common:])

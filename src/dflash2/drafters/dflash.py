@@ -43,7 +43,7 @@ from dflash2.runtime.graphs import (
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.linear import Linear, pack_linears
 from dflash2.runtime.model import MLP, Decoder, RotaryTable, apply_rope, attend, rms_norm
-from dflash2.runtime.quant import WeightFormat, quantize_linear, quantize_linears
+from dflash2.runtime.quant import WeightFormat, quantize_linear, quantize_linears, weight_of
 from dflash2.runtime.spec import ModelSpec, rope_frequencies, rope_parameters_of
 from dflash2.sampling import probabilities, sample
 
@@ -417,9 +417,7 @@ class DFlashModel(nn.Module):
         """Target features [B, C, layers * D] -> context states [B, C, D]."""
         return rms_norm(self.fc(features), self.hidden_norm, self.spec.rms_norm_eps)
 
-    def masks(
-        self, queries: torch.Tensor, keys: int, valid: torch.Tensor | None = None
-    ) -> list[torch.Tensor | None]:
+    def masks(self, queries: torch.Tensor, keys: int, valid: torch.Tensor | None = None) -> list[torch.Tensor | None]:
         """Per-layer visibility [T, keys] of the cache positions for block queries at positions ``queries`` [T].
 
         ``valid`` (a static step's device scalar) hides every position from it on.
@@ -645,7 +643,7 @@ class DFlashDrafter:
         if vocab is not None:
             self.vocab = check_vocab(vocab, target.spec.vocab_size).to(target.device)
             head = Linear(target.spec.hidden_size, int(self.vocab.numel()))
-            head.weight = nn.Parameter(target.lm_head.weight.detach()[self.vocab].clone(), requires_grad=False)
+            head.weight = nn.Parameter(weight_of(target.lm_head, self.vocab).to(target.dtype), requires_grad=False)
             self.head = head
         pack_linears(model)
         if isinstance(self.head, Linear) and self.head is not target.lm_head:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from dflash2.errors import InvalidOptionError
+from dflash2.tokenize import common_prefix
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ class PrefixCache:
             best: _Entry | None = None
             length = 0
             for entry in self._entries:
-                shared = _shared(entry.snapshot.tokens, prompt, limit)
+                shared = common_prefix(entry.snapshot.tokens, prompt, limit)
                 if shared > length:
                     best, length = entry, shared
             if best is None or length < max(1, self.minimum):
@@ -135,7 +136,7 @@ class PrefixCache:
             for entry in self._entries:
                 held = entry.snapshot
                 if (
-                    _shared(held.tokens, snapshot.tokens, len(snapshot)) == len(snapshot)
+                    common_prefix(held.tokens, snapshot.tokens, len(snapshot)) == len(snapshot)
                     and (snapshot.features is None or held.features is not None)
                     and (snapshot.drafter is None or held.drafter is not None)
                 ):
@@ -143,7 +144,7 @@ class PrefixCache:
                     return
             self._entries = [
                 e for e in self._entries
-                if _shared(e.snapshot.tokens, snapshot.tokens, len(e.snapshot)) < len(e.snapshot)
+                if common_prefix(e.snapshot.tokens, snapshot.tokens, len(e.snapshot)) < len(e.snapshot)
             ]  # fmt: skip
             self._entries.append(_Entry(snapshot, next(self._clock)))
             while sum(len(e.snapshot) for e in self._entries) > self.capacity:
@@ -157,17 +158,6 @@ class PrefixCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-
-
-def _shared(stored: Sequence[int], prompt: Sequence[int], limit: int) -> int:
-    """Length of the common prefix of ``stored`` and ``prompt``, at most ``limit``."""
-    n = min(len(stored), len(prompt), limit)
-    if n <= 0:
-        return 0
-    a = torch.tensor(stored[:n])
-    b = torch.tensor(prompt[:n])
-    differ = (a != b).nonzero()
-    return int(differ[0, 0]) if len(differ) else n
 
 
 def _cut(snapshot: Snapshot, length: int) -> Snapshot:

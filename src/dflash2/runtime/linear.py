@@ -63,9 +63,7 @@ def row_bucket(rows: int, fewest: int = 1) -> int:
     return -(-rows // step) * step
 
 
-def padded_product(
-    x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], fewest: int = 1
-) -> torch.Tensor:
+def padded_product(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor], fewest: int = 1) -> torch.Tensor:
     """``product(x)`` over the rows of ``x`` [..., K], run at :func:`row_bucket` rows."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0

@@ -22,6 +22,7 @@ from torch import nn
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.linear import Linear, pack_linears
 from dflash2.runtime.moe import SparseMoE
+from dflash2.runtime.quant import WeightFormat, quantize_linears
 from dflash2.runtime.spec import ModelSpec
 
 
@@ -62,6 +63,7 @@ class Part:
     rows: slice
     mask: torch.Tensor | None  # as ``attend`` takes it: made once per forward by ``grouped_mask``
     positions: torch.Tensor | None = None  # static steps: where the keys go (see ``KVCache.write``)
+    causal: bool = True  # ``mask`` is the plain block-causal one (no padding)
 
 
 class RotaryTable(nn.Module):
@@ -125,9 +127,21 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     return out.view(b, kvh, group, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
 
 
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Causal attention one query row at a time over exactly the keys it sees, the last T of
+    ``keys`` being the rows' own: each row gets the bits a one-token forward gives it, whatever
+    the number of rows (SDPA's kernels round by the shapes they are given)."""
+    t, s = q.shape[1], keys.shape[2]
+    if t == 1:
+        return attend(q, keys, values, None)
+    seen = [s - t + i + 1 for i in range(t)]
+    return torch.cat([attend(q[:, i : i + 1], keys[:, :, :n], values[:, :, :n], None) for i, n in enumerate(seen)], 1)
+
+
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
+        self.row_by_row = False  # see Decoder.quantize
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.eps = spec.rms_norm_eps
         qkv_out = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
@@ -155,7 +169,10 @@ class Attention(nn.Module):
             keys, values = part.cache.write(
                 layer, k[:, rows].transpose(1, 2), v[:, rows].transpose(1, 2), part.positions
             )
-            outs.append(attend(q[:, rows], keys, values, part.mask))
+            if self.row_by_row and part.causal and part.positions is None:
+                outs.append(attend_rows(q[:, rows], keys, values))
+            else:
+                outs.append(attend(q[:, rows], keys, values, part.mask))
         return self.o(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
 
 
@@ -207,6 +224,7 @@ class Decoder(nn.Module):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.spec = spec
+        self.weights: WeightFormat = "same"  # see quantize
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = nn.Parameter(torch.ones(spec.hidden_size))
@@ -238,6 +256,17 @@ class Decoder(nn.Module):
         """Pre-pack every projection for fast inference and drop the plain copies (see
         :mod:`dflash2.runtime.linear`); the LM head keeps its weight (drafters may share it)."""
         pack_linears(self, release=True, keep=(self.lm_head,))
+
+    def quantize(self, fmt: WeightFormat) -> None:
+        """Hold every projection and the LM head in ``fmt`` (:mod:`dflash2.runtime.quant`); call
+        before :meth:`pack`. Its kernels round a row differently by how many rows they multiply,
+        so every row must get the bits it gets alone: the projections are checked for that, and
+        attention then runs row by row (:func:`attend_rows`). Verifying a block of drafts thus
+        computes each token exactly as decoding it alone would."""
+        quantize_linears(self, fmt)
+        self.weights = fmt
+        for layer in self.layers:
+            cast(DecoderLayer, layer).attn.row_by_row = fmt != "same"
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
@@ -286,7 +315,7 @@ class Decoder(nn.Module):
                 itself = keys[None, :] == torch.arange(begin, begin + new, device=x.device)[:, None]
                 causal = mask if mask is not None else torch.ones_like(itself)
                 mask = (causal & visible[:, None, None, :]) | itself
-        parts = [Part(cache, slice(None), self._grouped(mask), positions)]
+        parts = [Part(cache, slice(None), self._grouped(mask), positions, causal=visible is None)]
         x, normed, hidden = self._layers(x, rope, parts, capture, logits == "all")
         if start is None:
             cache.advance(new)

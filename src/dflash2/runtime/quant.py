@@ -36,6 +36,23 @@ def check_weight_format(fmt: object, option: str) -> WeightFormat:
     return fmt
 
 
+TARGET_WEIGHTS = ("same", "int8", "int4")
+
+
+def check_target_weights(fmt: object) -> WeightFormat:
+    """A target's weights: formats whose kernels give a row the same bits in a block of any size
+    (torch's int8 and int4 kernels do; its bf16 matmuls round one row otherwise than several)."""
+    if fmt == "bf16":
+        raise InvalidOptionError(
+            "weights='bf16' is not offered for a target: torch's bf16 matmuls round a row differently by how many "
+            "rows they multiply, so speculative output could part from plain decoding. Use 'int8' or 'int4' "
+            "(exact against plain decoding in that mode), or dtype='bfloat16'."
+        )
+    if fmt not in TARGET_WEIGHTS:
+        raise InvalidOptionError(f"weights must be one of {', '.join(map(repr, TARGET_WEIGHTS))}; got {fmt!r}.")
+    return check_weight_format(fmt, "weights")
+
+
 def int4_available(device: torch.device) -> bool:
     return device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
@@ -120,6 +137,23 @@ class HalfLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # oneDNN kernels by row count: see linear.row_bucket
         return padded_product(x.to(torch.bfloat16), lambda rows: F.linear(rows, self.weight, self.bias)).to(x.dtype)
+
+
+def weight_of(layer: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 weight [N, K] a linear layer of any format computes with (``rows``: only those
+    output rows), e.g. to build a smaller head from a quantized LM head."""
+    if isinstance(layer, QuantLinear):  # its kernel applied to the identity gives W^T as it reads it
+        eye = torch.eye(layer.in_features, dtype=layer.compute_dtype, device=layer.qweight.device)
+        bias, layer.bias = layer.bias, None
+        try:
+            weight = layer(eye).t()
+        finally:
+            layer.bias = bias
+    elif isinstance(layer, (Linear, HalfLinear)):
+        weight = layer.weight.detach()
+    else:
+        raise TypeError(f"not a linear layer: {type(layer).__name__}")
+    return (weight if rows is None else weight[rows]).float()
 
 
 def quantize_linears(module: nn.Module, fmt: WeightFormat) -> nn.Module:

@@ -391,4 +391,3 @@ class Workers:
     def close(self) -> None:
         self.verify.close()
         self.draft.close()
-

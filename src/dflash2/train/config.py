@@ -121,4 +121,3 @@ class TrainConfig:
         if self.gamma is not None:
             return self.gamma
         return {16: 7.0, 10: 5.0, 8: 4.0}.get(self.block_size, max(1.0, self.block_size / 2.2))
-
