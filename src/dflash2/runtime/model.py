@@ -63,7 +63,7 @@ class Part:
     rows: slice
     mask: torch.Tensor | None  # as ``attend`` takes it: made once per forward by ``grouped_mask``
     positions: torch.Tensor | None = None  # static steps: where the keys go (see ``KVCache.write``)
-    causal: bool = True  # ``mask`` is the plain block-causal one (no padding)
+    rows_alone: bool = False  # attention row by row (:func:`attend_rows`): a quantized target's eager causal parts
 
 
 class RotaryTable(nn.Module):
@@ -141,7 +141,6 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> to
 class Attention(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.row_by_row = False  # see Decoder.quantize
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.eps = spec.rms_norm_eps
         qkv_out = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
@@ -169,7 +168,7 @@ class Attention(nn.Module):
             keys, values = part.cache.write(
                 layer, k[:, rows].transpose(1, 2), v[:, rows].transpose(1, 2), part.positions
             )
-            if self.row_by_row and part.causal and part.positions is None:
+            if part.rows_alone:
                 outs.append(attend_rows(q[:, rows], keys, values))
             else:
                 outs.append(attend(q[:, rows], keys, values, part.mask))
@@ -265,8 +264,6 @@ class Decoder(nn.Module):
         computes each token exactly as decoding it alone would."""
         quantize_linears(self, fmt)
         self.weights = fmt
-        for layer in self.layers:
-            cast(DecoderLayer, layer).attn.row_by_row = fmt != "same"
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return rms_norm(hidden, self.norm, self.spec.rms_norm_eps)
@@ -315,7 +312,8 @@ class Decoder(nn.Module):
                 itself = keys[None, :] == torch.arange(begin, begin + new, device=x.device)[:, None]
                 causal = mask if mask is not None else torch.ones_like(itself)
                 mask = (causal & visible[:, None, None, :]) | itself
-        parts = [Part(cache, slice(None), self._grouped(mask), positions, causal=visible is None)]
+        alone = self.weights != "same" and visible is None and start is None
+        parts = [Part(cache, slice(None), self._grouped(mask), positions, rows_alone=alone)]
         x, normed, hidden = self._layers(x, rope, parts, capture, logits == "all")
         if start is None:
             cache.advance(new)
@@ -370,7 +368,12 @@ class Decoder(nn.Module):
             cache.check_room(size)
         bounds = [0, *itertools.accumulate(sizes)]
         parts = [
-            Part(cache, slice(bounds[i], bounds[i + 1]), self._grouped(block_causal_mask(cache.length, n, device)))
+            Part(
+                cache,
+                slice(bounds[i], bounds[i + 1]),
+                self._grouped(block_causal_mask(cache.length, n, device)),
+                rows_alone=self.weights != "same",
+            )
             for i, (cache, n) in enumerate(zip(caches, sizes, strict=True))
         ]
         positions = torch.cat(
