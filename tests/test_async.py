@@ -84,8 +84,10 @@ async def test_slow_drafter_and_verifier_overlap_and_the_loop_stays_responsive(
     paths: dict[str, Path], references: dict[str, list[int]]
 ) -> None:
     base = dflash2.load(paths["target"], drafter=paths["target"], drafter_weights="same")
-    SlowForward(base, 0.03)
-    model = forced(base.with_drafter(SlowDrafter(base.drafter, 0.03)))
+    # a verify forward slower than a pre-draft (delay and compute together), so each pre-draft
+    # can hide whole: 3 of the 4 drafts run beside a verification, an ideal overlap of 0.75
+    SlowForward(base, 0.08)
+    model = forced(base.with_drafter(SlowDrafter(base.drafter, 0.05)))
     ticks, done = 0, False
 
     async def ticker() -> None:
