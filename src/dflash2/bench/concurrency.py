@@ -24,7 +24,7 @@ import torch
 
 from dflash2.api import Model
 from dflash2.bench.data import Prompt
-from dflash2.bench.report import pyplot, save
+from dflash2.bench.report import Panel, fmt, plot_lines, table
 from dflash2.tokenize import encode_prompt
 
 PEER = "transformers-batch"
@@ -139,21 +139,16 @@ def _until_eos(row: list[int], eos: frozenset[int]) -> list[int]:
 def levels_table(levels: Sequence[Level]) -> str:
     """One row per (dataset, configuration, streams), with the gain over that configuration alone."""
     alone = {(lv.dataset, lv.config): lv.tokens_per_second for lv in levels if lv.streams == 1}
-    lines = [
-        "| dataset | config | streams | aggregate tok/s | × one stream | per-stream tok/s | time to first token (s) "
-        "| streams per forward | identical |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
-    ]
+    columns = ["dataset", "config", ">streams", ">aggregate tok/s", ">× one stream", ">per-stream tok/s"]
+    columns += [">time to first token (s)", ">streams per forward", "identical"]
+    rows = []
     for lv in levels:
         base = alone.get((lv.dataset, lv.config))
-        gain = f"{lv.tokens_per_second / base:.2f}" if base else "—"
-        ttft = f"{lv.time_to_first_token_s:.2f}" if lv.time_to_first_token_s is not None else "—"
-        batch = f"{lv.mean_batch_size:.2f}" if lv.mean_batch_size is not None else "—"
-        lines.append(
-            f"| {lv.dataset} | {lv.config} | {lv.streams} | {lv.tokens_per_second:.1f} | {gain} "
-            f"| {lv.per_stream_tokens_per_second:.1f} | {ttft} | {batch} | {lv.identical}/{lv.prompts} |"
-        )
-    return "\n".join(lines)
+        gain = fmt(lv.tokens_per_second / base if base else None, ".2f")
+        rows.append([lv.dataset, lv.config, lv.streams, f"{lv.tokens_per_second:.1f}", gain,
+                     f"{lv.per_stream_tokens_per_second:.1f}", fmt(lv.time_to_first_token_s, ".2f"),
+                     fmt(lv.mean_batch_size, ".2f"), f"{lv.identical}/{lv.prompts}"])  # fmt: skip
+    return table(columns, rows)
 
 
 def levels_as_dicts(levels: Sequence[Level]) -> list[dict[str, Any]]:
@@ -162,15 +157,10 @@ def levels_as_dicts(levels: Sequence[Level]) -> list[dict[str, Any]]:
 
 def plot_levels(levels: Sequence[Level], path: Path) -> Path:
     """Aggregate tokens/s against concurrent streams, one panel per dataset."""
-    datasets = sorted({lv.dataset for lv in levels})
-    fig, axes = pyplot().subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4), squeeze=False)
-    for ax, dataset in zip(axes[0], datasets, strict=True):
-        for config in dict.fromkeys(lv.config for lv in levels):
-            points = [lv for lv in levels if lv.dataset == dataset and lv.config == config]
-            ax.plot([p.streams for p in points], [p.tokens_per_second for p in points], marker="o", label=config)
-        ax.set(title=dataset, xlabel="concurrent streams", ylabel="aggregate tokens / s", xscale="log")
-        ticks = sorted({lv.streams for lv in levels})
-        ax.set_xticks(ticks, labels=[str(t) for t in ticks])
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    return save(fig, path)
+    panels = []
+    for dataset in sorted({lv.dataset for lv in levels}):
+        lines: dict[str, list[tuple[float, float]]] = {}
+        for lv in (lv for lv in levels if lv.dataset == dataset):
+            lines.setdefault(lv.config, []).append((lv.streams, lv.tokens_per_second))
+        panels.append(Panel(dataset, "aggregate tokens / s", lines))
+    return plot_lines(path, panels, "concurrent streams", log_x=True)

@@ -1,54 +1,34 @@
 """A multi-turn agent conversation: what the prefix cache saves on each turn.
 
 An agent loop resends its whole history every turn: a system prompt describing its tools, the
-user's requests, the tool results it was given, its own earlier answers. :data:`TURNS` is such a
-conversation (8 turns, written for this benchmark, not taken from an evaluation set). Each
-configuration runs it from the start, answering every turn itself (greedy) and appending its own
-answer to the history, as a client does; per turn it records the prompt's tokens, how many came
-from the cache, the time to the first token and the turn's whole time; with the cache also the
-time of the target's forward over the turn's new tokens alone (the least a turn's first token can
-cost). dflash2 with and without
-its prefix cache must write the same conversation token for token; llama.cpp's server, with and
-without its prompt cache (``cache_prompt``), runs the GGUF's own weights and so its own answers.
-"""
+user's requests, the tool results it was given, its own earlier answers. ``conversation.json``
+holds such a conversation (8 turns, written for this benchmark, not taken from an evaluation
+set). Each configuration runs it from the start, answering every turn itself (greedy) and
+appending its own answer to the history, as a client does; per turn it records the prompt's
+tokens, how many came from the cache, the time to the first token and the turn's whole time;
+with the cache also the time of the target's forward over the turn's new tokens alone (the least
+a turn's first token can cost). dflash2 with and without its prefix cache must write the same
+conversation token for token; llama.cpp's server, with and without its prompt cache
+(``cache_prompt``), runs the GGUF's own weights and so its own answers."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from dflash2.api import Model
+from dflash2.bench.report import fmt, table
 from dflash2.bench.runners import LlamaServerRunner
 from dflash2.tokenize import encode_prompt
 
-SYSTEM = """You are a careful assistant for a small software team. You can call these tools by \
-answering with one line `CALL <tool> <arguments>`; the result comes back in the next message.
-
-- search_code(query): finds functions and files in the repository whose text matches the query.
-- read_file(path, start, end): returns lines start..end of a file.
-- run_tests(pattern): runs the tests whose names match and reports failures with their tracebacks.
-- calculator(expression): evaluates an arithmetic expression exactly.
-- open_issue(title, body): files an issue in the tracker and returns its number.
-
-Keep answers short. Quote code exactly. When a tool result answers the question, say so and stop."""
-
-TURNS = [
-    "Where is the retry logic for HTTP requests implemented?",
-    "Tool result: search_code('retry') -> net/client.py:88 `def send_with_retry(request, attempts=3, backoff=0.5):`"
-    " and net/client.py:131 `RETRYABLE = {502, 503, 504}`. Show me what the function does.",
-    "Tool result: read_file('net/client.py', 88, 110) -> `for attempt in range(attempts):` / `response = "
-    "session.send(request)` / `if response.status not in RETRYABLE: return response` / `time.sleep(backoff * 2 "
-    "** attempt)` / `raise RetryError(request)`. Is 429 retried?",
-    "Right. How long does the client wait in total before giving up with the defaults?",
-    "Tool result: calculator('0.5 * (1 + 2 + 4)') -> 3.5. Write the one-line change that also retries 429.",
-    "Tool result: run_tests('test_client') -> 14 passed, 1 failed: test_rate_limit expected 2 calls, got 3. "
-    "Why did it fail?",
-    "Update the test's expectation and explain the change in one sentence for the commit message.",
-    "Tool result: run_tests('test_client') -> 15 passed. File an issue to document the retry policy.",
-]
+_DATA = json.loads((Path(__file__).parent / "conversation.json").read_text())
+SYSTEM: str = _DATA["system"]  # the agent's tools
+TURNS: list[str] = _DATA["turns"]  # the user's requests and the tool results, in order
 
 
 @dataclass
@@ -129,27 +109,23 @@ def llama_conversation(
 def conversation_table(turns: Sequence[Turn]) -> str:
     """One row per configuration and turn: the run without its cache beside the run with it
     (configurations named ``X`` and ``X + ...``)."""
-    lines = [
-        "| configuration | turn | prompt tokens | from the cache | time to first token, without / with the cache (s) "
-        "| forward over the uncached tokens alone (s) | turn, without / with (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
     runs: dict[str, dict[bool, dict[int, Turn]]] = {}
     for t in turns:
         base, _, cache = t.config.partition(" + ")
         runs.setdefault(base, {}).setdefault(bool(cache), {})[t.turn] = t
+    rows = []
     for base, pair in runs.items():
         cold, warm = pair.get(False, {}), pair.get(True, {})
         for i in sorted(cold.keys() | warm.keys()):
             c, w = cold.get(i), warm.get(i)
             shown = w or c
             assert shown is not None
-            alone = f"{w.new_prefill_s:.3f}" if w is not None and w.new_prefill_s is not None else ""
-            lines.append(
-                f"| {base} | {i} | {shown.prompt_tokens} | {w.cached_tokens if w else ''} "
-                f"| {_pair(c, w, 'time_to_first_token_s', 3)} | {alone} | {_pair(c, w, 'seconds', 2)} |"
-            )
-    return "\n".join(lines)
+            alone = fmt(w.new_prefill_s if w else None, ".3f")
+            rows.append([base, i, shown.prompt_tokens, w.cached_tokens if w else "–",
+                         _pair(c, w, "time_to_first_token_s", 3), alone, _pair(c, w, "seconds", 2)])  # fmt: skip
+    columns = ["configuration", ">turn", ">prompt tokens", ">from the cache"]
+    columns += [">time to first token, without / with the cache (s)", ">forward over the uncached tokens alone (s)"]
+    return table([*columns, ">turn, without / with (s)"], rows)
 
 
 def _pair(cold: Turn | None, warm: Turn | None, name: str, digits: int) -> str:

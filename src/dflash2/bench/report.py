@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dflash2.bench.harness import Row
 
@@ -42,30 +42,42 @@ def save(fig: Any, path: Path) -> Path:
     return path
 
 
-def _fmt(value: float | None, spec: str) -> str:
+def fmt(value: float | None, spec: str) -> str:
     return "–" if value is None else format(value, spec)
+
+
+def checked(identical: int, prompts: int, exact: bool = True) -> str:
+    """The identical-output cell: ``n/N``, flagged when outputs that should match do not all."""
+    if not exact:  # a peer running other weights
+        return f"{identical}/{prompts} (its own weights)"
+    return f"{identical}/{prompts}" + ("" if identical == prompts else " ⚠ NOT IDENTICAL")
+
+
+def table(columns: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table; a column named with a leading ``>`` holds numbers (right-aligned)."""
+    head = "| " + " | ".join(c.removeprefix(">") for c in columns) + " |"
+    rule = "|" + "|".join("---:" if c.startswith(">") else "---" for c in columns) + "|"
+    return "\n".join([head, rule, *("| " + " | ".join(map(str, r)) + " |" for r in rows)])
 
 
 def markdown_table(rows: Sequence[Row], reference: str = "transformers") -> str:
     """One line per configuration and dataset; rows without 100 % identical outputs are flagged
     (a peer that runs other weights, llama.cpp on the GGUF itself, is marked instead)."""
     plain = any(r.speedup_plain is not None for r in rows)
-    lines = [
-        f"| dataset | configuration | tokens/s | speedup vs {reference} "
-        + ("| × dflash2 plain " if plain else "")
-        + "| tokens per target forward | TTFT (s) | overlap | overlap bound | bubble | pre-draft hits | identical |",
-        "|---|---|---:|---:|" + ("---:|" if plain else "") + "---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        flag = " ⚠ NOT IDENTICAL" if r.flagged else "" if r.exact else " (its own weights)"
-        vs_plain = f"| {_fmt(r.speedup_plain, '.2f')}× " if plain else ""
-        lines.append(
-            f"| {r.dataset} | {r.config} | {r.tokens_per_second:.1f} | {r.speedup:.2f}× {vs_plain}"
-            f"| {_fmt(r.mean_acceptance_length, '.2f')} | {_fmt(r.time_to_first_token_s, '.3f')} "
-            f"| {_fmt(r.overlap, '.0%')} | {_fmt(r.overlap_bound, '.0%')} | {_fmt(r.bubble, '.0%')} "
-            f"| {_fmt(r.predraft_hit_rate, '.0%')} | {r.identical}/{r.prompts}{flag} |"
-        )
-    return "\n".join(lines)
+    columns = ["dataset", "configuration", ">tokens/s", f">speedup vs {reference}"]
+    columns += [">× dflash2 plain"] * plain + [">tokens per target forward", ">TTFT (s)", ">overlap"]
+    columns += [">overlap bound", ">bubble", ">pre-draft hits", "identical"]
+    return table(
+        columns,
+        (
+            [r.dataset, r.config, f"{r.tokens_per_second:.1f}", f"{r.speedup:.2f}×"]
+            + [f"{fmt(r.speedup_plain, '.2f')}×"] * plain
+            + [fmt(r.mean_acceptance_length, ".2f"), fmt(r.time_to_first_token_s, ".3f"), fmt(r.overlap, ".0%")]
+            + [fmt(r.overlap_bound, ".0%"), fmt(r.bubble, ".0%"), fmt(r.predraft_hit_rate, ".0%")]
+            + [checked(r.identical, r.prompts, r.exact)]
+            for r in rows
+        ),
+    )
 
 
 def update_section(doc: Path, name: str, content: str) -> None:
@@ -77,6 +89,42 @@ def update_section(doc: Path, name: str, content: str) -> None:
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
+
+
+class Panel(NamedTuple):
+    """One plot panel: lines of (x, y) points by label; ``bad`` points (outputs not identical) marked."""
+
+    title: str
+    ylabel: str
+    lines: dict[str, list[tuple[float, float]]]
+    bad: Sequence[tuple[float, float]] = ()
+
+
+def plot_lines(
+    path: Path, panels: Sequence[Panel], xlabel: str, log_x: bool = False, limit: float | None = None
+) -> Path:
+    """Panels side by side, each a line per label over the same x values (ticks at those values);
+    ``limit``: a dashed bound (plain decoding's) drawn across the first panel."""
+    fig, axes = pyplot().subplots(1, len(panels), figsize=(5.5 * len(panels), 4.0), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        for label, points in panel.lines.items():
+            ax.plot(*zip(*points, strict=True), marker="o", label=label)
+        if panel.bad:
+            ax.scatter(*zip(*panel.bad, strict=True), marker="x", s=80, color="red", zorder=3, label="not identical")
+        ax.set(title=panel.title, xlabel=xlabel, ylabel=panel.ylabel)
+        if log_x:
+            ax.set_xscale("log", base=2)
+        xs = sorted({x for points in panel.lines.values() for x, _ in points})
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if limit is not None:
+        first = axes[0][0]
+        first.axhline(limit, linestyle="--", color="gray", label=f"plain decoding's limit ({limit:.0f} tokens/s)")
+        if limit > 10 * max(y for points in panels[0].lines.values() for _, y in points):
+            first.set_yscale("log")  # the measured lines stay readable beside a far-away limit
+        first.legend(fontsize=8)
+    return save(fig, path)
 
 
 def plot_tokens_per_second(rows: Sequence[Row], path: Path) -> Path:

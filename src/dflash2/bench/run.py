@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,7 @@ from dflash2.runtime.loader import resolve_checkpoint
 from dflash2.runtime.workers import release_thread_pool
 from dflash2.tokenize import encode_prompt
 
-# transformers-1thread: plain greedy on dflash2's 1-thread draft worker (transformers' best thread count may be 1)
-PEERS = ("transformers", "transformers-1thread", "transformers-prompt-lookup", "transformers-assisted")
+PEERS = ("transformers", "transformers-prompt-lookup", "transformers-assisted")
 # llama.cpp's server on the GGUF files themselves (--llama-cpp): plain, the --ar-drafter GGUF drafting, n-gram
 LLAMA_CPP = ("llama.cpp", "llama.cpp-speculative", "llama.cpp-ngram")
 DRAFTED = ("ngram", "ar", "dflash", "hybrid")  # hybrid: prompt lookup first, the DFlash (or AR) drafter otherwise
@@ -111,8 +111,6 @@ def build_runners(
             worker = model.workers.verify
             if name == "transformers":
                 runners.append(TransformersRunner(hf, worker))
-            elif name == "transformers-1thread":
-                runners.append(TransformersRunner(hf, model.workers.draft, name))
             elif name == "transformers-prompt-lookup":
                 runners.append(TransformersRunner(hf, worker, name, prompt_lookup_num_tokens=10))
             else:
@@ -269,31 +267,17 @@ def main(args: argparse.Namespace) -> list[Row]:
         for runner in runners:
             if isinstance(runner, LlamaServerRunner):
                 runner.close()
-    machine = machine_info()
-    bandwidth = memory_bandwidth_gbps()
-    weights = weight_bytes(model)
-    settings = {
-        "model": str(source),
-        "datasets": args.datasets,
-        "limit": args.limit,
-        "max_new_tokens": args.max_new_tokens,
-        "configs": args.configs,
-        "schedule": args.schedule,
-        "memory_bandwidth_gbps": bandwidth,
-        "weight_bytes": weights,
-        "plain_decoding_limit_tokens_per_second": plain_decoding_limit(bandwidth, weights),
-    }
+    settings = _settings(args, source, model, configs=args.configs, schedule=args.schedule)
     section = args.section or "matrix"
-    json_path = write_record(args.out, section, machine, settings, "rows", rows)
-    image_dir = args.doc.parent / "images"
-    bars = plot_tokens_per_second(rows, image_dir / f"{section}-tokens-per-second.png")
-    hist = plot_acceptance_histogram(rows, image_dir / f"{section}-acceptance.png")
-    parts = [markdown_table(rows, reference), _limit_sentence(model, bandwidth, weights)]
-    parts.append(f"![tokens per second](images/{bars.name})")
-    if hist is not None:
-        parts.append(f"![acceptance lengths](images/{hist.name})")
-    amount = f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens"
-    _publish(args, section, machine, source, amount, parts, json_path)
+    bars = plot_tokens_per_second(rows, _image(args, f"{section}-tokens-per-second"))
+    hist = plot_acceptance_histogram(rows, _image(args, f"{section}-acceptance"))
+    parts = [
+        markdown_table(rows, reference),
+        _limit_sentence(model, settings),
+        f"![tokens per second](images/{bars.name})",
+    ]
+    parts += [f"![acceptance lengths](images/{hist.name})"] if hist is not None else []
+    _publish(args, section, source, settings, "rows", rows, parts)
     return rows
 
 
@@ -352,30 +336,12 @@ def sweep_main(
             "drafter-weights", reference, weighted, model.tokenizer, prompts, args.max_new_tokens, progress
         )
 
-    machine = machine_info()
-    bandwidth = memory_bandwidth_gbps()
-    weights = weight_bytes(model)
-    limit = plain_decoding_limit(bandwidth, weights)
-    settings = {
-        "model": str(source),
-        "sweeps": sweeps,
-        "sweep_config": config,
-        "drafter_block_size": drafted.model.drafter.block_size,
-        "prompt_lengths": fits,
-        "skipped_prompt_lengths": [n for n in lengths if n not in fits],
-        "max_context": model.max_context,
-        "block_sizes": _ints(args.block_sizes),
-        "datasets": args.datasets,
-        "limit": args.limit,
-        "max_new_tokens": args.max_new_tokens,
-        "memory_bandwidth_gbps": bandwidth,
-        "weight_bytes": weights,
-        "plain_decoding_limit_tokens_per_second": limit,
-    }
+    settings = _settings(
+        args, source, model, sweeps=sweeps, sweep_config=config, drafter_block_size=drafted.model.drafter.block_size,
+        prompt_lengths=fits, skipped_prompt_lengths=[n for n in lengths if n not in fits],
+        max_context=model.max_context, block_sizes=_ints(args.block_sizes),
+    )  # fmt: skip
     section = args.section or "sweep"
-    points = by_length + by_block + by_weights
-    json_path = write_record(args.out, section, machine, settings, "points", [p.as_dict() for p in points])
-    image_dir = args.doc.parent / "images"
     parts: list[str] = []
     if "prompt-length" in sweeps:
         parts += [
@@ -389,11 +355,12 @@ def sweep_main(
                 f"exceeds the model's context of {model.max_context}."
             )
         if by_length:
-            plot = plot_prompt_length(by_length, limit, image_dir / f"{section}-prompt-length.png")
-            parts += [prompt_length_table(by_length), _limit_sentence(model, bandwidth, weights)]
+            limit = settings["plain_decoding_limit_tokens_per_second"]
+            plot = plot_prompt_length(by_length, limit, _image(args, f"{section}-prompt-length"))
+            parts += [prompt_length_table(by_length), _limit_sentence(model, settings)]
             parts.append(f"![tokens per second vs prompt length](images/{plot.name})")
     if by_block:
-        plot = plot_block_size(by_block, image_dir / f"{section}-block-size.png")
+        plot = plot_block_size(by_block, _image(args, f"{section}-block-size"))
         parts += [
             "### Block size",
             f"`{config}` drafting whole blocks of each size, and (`-auto`) as far as the draft-length policy "
@@ -408,8 +375,9 @@ def sweep_main(
             f"on {args.datasets}.",
             drafter_weights_table(by_weights),
         ]
+    points = by_length + by_block + by_weights
     amount = f"{args.limit} prompts per point, {args.max_new_tokens} new tokens"
-    _publish(args, section, machine, source, amount, parts, json_path)
+    _publish(args, section, source, settings, "points", [p.as_dict() for p in points], parts, amount)
     return points
 
 
@@ -438,23 +406,12 @@ def concurrency_main(
                 if not args.no_progress:
                     print(f"{dataset} {runner.name} x{n}: {level.tokens_per_second:.1f} tok/s", flush=True)
     levels.sort(key=lambda lv: (lv.dataset, lv.config != PEER, lv.config, lv.streams))
-    machine = machine_info()
-    settings = {
-        "model": str(source),
-        "datasets": args.datasets,
-        "limit": args.limit,
-        "max_new_tokens": args.max_new_tokens,
-        "streams": streams,
-        "configs": configs,
-        "max_batch": model.batcher.max_batch,
-    }
+    settings = _settings(args, source, None, streams=streams, configs=configs, max_batch=model.batcher.max_batch)
     section = args.section or "concurrency"
-    json_path = write_record(args.out, section, machine, settings, "levels", levels_as_dicts(levels))
-    plot = plot_levels(levels, args.doc.parent / "images" / f"{section}.png")
-    amount = f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens"
+    plot = plot_levels(levels, _image(args, section))
     note = ". Identical = the same tokens as the prompt generated alone by dflash2's plain greedy decoding."
     parts = [levels_table(levels), f"![aggregate tokens per second vs concurrent streams](images/{plot.name})"]
-    _publish(args, section, machine, source, amount, parts, json_path, note)
+    _publish(args, section, source, settings, "levels", levels_as_dicts(levels), parts, note=note)
     return levels
 
 
@@ -491,15 +448,14 @@ def conversation_main(
             turns += llama_conversation(runner_, model, "llama.cpp + prompt cache", args.max_new_tokens, cache=True)
         finally:
             runner_.close()
-    machine = machine_info()
-    settings = {"model": str(source), "max_new_tokens": args.max_new_tokens, "configs": configs,
-                "prefix_cache": args.prefix_cache, "identical_with_and_without_cache": identical}  # fmt: skip
-    section = args.section or "conversation"
-    json_path = write_record(args.out, section, machine, settings, "turns", turns)
+    settings = _settings(
+        args, source, None, configs=configs, prefix_cache=args.prefix_cache, identical_with_and_without_cache=identical
+    )
     same = ", ".join(f"{name}: {'identical' if ok else 'NOT IDENTICAL'}" for name, ok in identical.items())
     note = f". Every turn's text with the prefix cache against without it ({same})."
     amount = f"8 turns, up to {args.max_new_tokens} new tokens each"
-    _publish(args, section, machine, source, amount, [conversation_table(turns)], json_path, note)
+    parts = [conversation_table(turns)]
+    _publish(args, args.section or "conversation", source, settings, "turns", turns, parts, amount, note)
     return turns
 
 
@@ -509,36 +465,54 @@ def curve_main(args: argparse.Namespace, model: Model, source: Any) -> list[Curv
     references = {
         i: model.generate(p.prompt, max_new_tokens=args.max_new_tokens).token_ids for i, p in enumerate(prompts)
     }
-    machine = machine_info()
     section = args.section or "training-curve"
     points = acceptance_curve(model, args.training_curve, prompts, args.max_new_tokens, references)
-    plot = plot_curve(points, args.doc.parent / "images" / f"{section}.png")
-    settings = {"run": str(args.training_curve), "datasets": args.datasets, "limit": args.limit}
-    json_path = write_record(args.out, section, machine, settings, "points", points)
+    plot = plot_curve(points, _image(args, section))
+    settings = _settings(args, source, None, run=str(args.training_curve))
     note = (". Greedy; identical = the same tokens as dflash2's plain decoding (itself identical to transformers "
             "in the matrix above).")  # fmt: skip
-    amount = f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens"
     parts = [curve_table(points), f"![acceptance vs training](images/{plot.name})"]
-    _publish(args, section, machine, source, amount, parts, json_path, note)
+    _publish(args, section, source, settings, "points", points, parts, note=note)
     return points
+
+
+def _settings(args: argparse.Namespace, source: Any, model: Model | None, **more: Any) -> dict[str, Any]:
+    """What a record was run with: the model, its prompts and ``more``; with ``model``, the memory
+    bandwidth measured now, the weights' bytes and so plain decoding's limit."""
+    settings = {"model": str(source), "datasets": args.datasets, "limit": args.limit}
+    settings |= {"max_new_tokens": args.max_new_tokens, **more}
+    if model is not None:
+        bandwidth, weights = memory_bandwidth_gbps(), weight_bytes(model)
+        settings |= {"memory_bandwidth_gbps": bandwidth, "weight_bytes": weights}
+        settings["plain_decoding_limit_tokens_per_second"] = plain_decoding_limit(bandwidth, weights)
+    return settings
 
 
 def _prompts(args: argparse.Namespace) -> list[Prompt]:
     return [p for d in args.datasets.split(",") for p in load_dataset(d.strip(), args.limit)]
 
 
+def _image(args: argparse.Namespace, name: str) -> Path:
+    return args.doc.parent / "images" / f"{name}.png"
+
+
 def _publish(
     args: argparse.Namespace,
     section: str,
-    machine: dict[str, Any],
     source: Any,
-    amount: str,
+    settings: dict[str, Any],
+    key: str,
+    items: Sequence[Any],
     parts: list[str],
-    json_path: Path,
+    amount: str = "",
     note: str = "",
 ) -> None:
-    """(Re)write ``section`` of ``args.doc``: where and how it was measured, the command, ``parts`` (paragraphs,
-    tables, images), the raw results' path; print its tables."""
+    """Write the JSON record (the machine, ``settings``, ``items`` under ``key``) and (re)write ``section``
+    of ``args.doc``: where and how it was measured, the command, ``parts`` (paragraphs, tables, images),
+    the record's path; print its tables."""
+    machine = machine_info()
+    json_path = write_record(args.out, section, machine, settings, key, items)
+    amount = amount or f"{args.limit} prompts per dataset, {args.max_new_tokens} new tokens"
     command = f"Command: `{_command(args)}`{note}"
     body = "\n\n".join([_measured(machine, source, amount), command, *parts, f"Raw results: `{json_path}`."])
     update_section(args.doc, section, body)
@@ -553,11 +527,12 @@ def _measured(machine: dict[str, Any], source: Any, amount: str) -> str:
     )
 
 
-def _limit_sentence(model: Model, bandwidth: float, weights: int) -> str:
+def _limit_sentence(model: Model, settings: dict[str, Any]) -> str:
     dtype = str(model.dtype).removeprefix("torch.") if model.target.weights == "same" else model.target.weights
+    bandwidth, weights = settings["memory_bandwidth_gbps"], settings["weight_bytes"]
     return (
         f"Memory bandwidth measured in the same run: {bandwidth:.1f} GB/s; {dtype} weights {weights / 1e6:.0f} MB, "
-        f"so plain decoding cannot exceed about {plain_decoding_limit(bandwidth, weights):.0f} tokens/s."
+        f"so plain decoding cannot exceed about {settings['plain_decoding_limit_tokens_per_second']:.0f} tokens/s."
     )
 
 

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash2.bench.data import Prompt
 from dflash2.bench.harness import Row, run_matrix
-from dflash2.bench.report import pyplot, save
+from dflash2.bench.report import Panel, checked, fmt, plot_lines, table
 from dflash2.bench.runners import Runner
 from dflash2.tokenize import encode_prompt
 
@@ -117,107 +117,57 @@ def drafted_sweep(
     return [Point(sweep, size[r.config], actual[r.dataset], r) for r in rows if r.config in size]
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "–" if value is None else format(value, spec)
+def _lines(points: Sequence[Point], by: str, y: str) -> dict[str, list[tuple[float, float]]]:
+    """The points as lines: one per value of the rows' field ``by``, their field ``y`` against x."""
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for p in points:
+        lines.setdefault(getattr(p.row, by), []).append((p.x, getattr(p.row, y) or 0.0))
+    return lines
 
 
-def _identical(row: Row) -> str:
-    return f"{row.identical}/{row.prompts}" + ("" if row.all_identical else " ⚠ NOT IDENTICAL")
+def _bad(points: Sequence[Point]) -> list[tuple[float, float]]:
+    return [(p.x, p.row.tokens_per_second) for p in points if not p.row.all_identical]
+
+
+def _cells(row: Row, extra: str, spec: str) -> list[str]:
+    """The cells every sweep table has: tokens/s, speedup, tokens per target forward, the row's
+    field ``extra`` and the identical-output check."""
+    measured = [f"{row.tokens_per_second:.1f}", f"{row.speedup:.2f}×", fmt(row.mean_acceptance_length, ".2f")]
+    return [*measured, fmt(getattr(row, extra), spec), checked(row.identical, row.prompts)]
+
+
+MEASURED = [">tokens/s", ">speedup vs transformers", ">tokens per target forward"]
 
 
 def prompt_length_table(points: Sequence[Point]) -> str:
-    lines = [
-        "| prompt tokens | configuration | tokens/s | speedup vs transformers | tokens per target forward "
-        "| TTFT (s) | identical |",
-        "|---:|---|---:|---:|---:|---:|---|",
-    ]
-    for p in points:
-        r = p.row
-        lines.append(
-            f"| {p.prompt_tokens:.0f} | {r.config} | {r.tokens_per_second:.1f} | {r.speedup:.2f}× "
-            f"| {_fmt(r.mean_acceptance_length, '.2f')} | {_fmt(r.time_to_first_token_s, '.3f')} | {_identical(r)} |"
-        )
-    return "\n".join(lines)
+    columns = ["prompt tokens", "configuration", *MEASURED, ">TTFT (s)", "identical"]
+    rows = ([f"{p.prompt_tokens:.0f}", p.row.config, *_cells(p.row, "time_to_first_token_s", ".3f")] for p in points)
+    return table(columns, rows)
 
 
 def block_size_table(points: Sequence[Point]) -> str:
-    lines = [
-        "| dataset | block size | configuration | tokens/s | speedup vs transformers | tokens per target forward "
-        "| draft tokens per step | identical |",
-        "|---|---:|---|---:|---:|---:|---:|---|",
-    ]
-    for p in points:
-        r = p.row
-        lines.append(
-            f"| {r.dataset} | {p.x} | {r.config} | {r.tokens_per_second:.1f} | {r.speedup:.2f}× "
-            f"| {_fmt(r.mean_acceptance_length, '.2f')} | {_fmt(r.drafted_per_step, '.2f')} | {_identical(r)} |"
-        )
-    return "\n".join(lines)
+    columns = ["dataset", ">block size", "configuration", *MEASURED, ">draft tokens per step", "identical"]
+    rows = ([p.row.dataset, p.x, p.row.config, *_cells(p.row, "drafted_per_step", ".2f")] for p in points)
+    return table(columns, rows)
 
 
 def drafter_weights_table(points: Sequence[Point]) -> str:
     bits = {b: name for name, b in WEIGHT_BITS.items()} | {32: "fp32 (same as the target)"}
-    lines = [
-        "| dataset | drafter weights | tokens/s | speedup vs transformers | tokens per target forward "
-        "| ms per draft token | identical |",
-        "|---|---|---:|---:|---:|---:|---|",
-    ]
-    for p in points:
-        r = p.row
-        lines.append(
-            f"| {r.dataset} | {bits.get(p.x, p.x)} | {r.tokens_per_second:.1f} | {r.speedup:.2f}× "
-            f"| {_fmt(r.mean_acceptance_length, '.2f')} | {_fmt(r.draft_ms_per_token, '.1f')} | {_identical(r)} |"
-        )
-    return "\n".join(lines)
-
-
-def _mark_not_identical(ax: Any, points: Sequence[Point], y: Any) -> None:
-    bad = [p for p in points if not p.row.all_identical]
-    if bad:
-        ax.scatter([p.x for p in bad], [y(p) for p in bad], marker="x", s=80, color="red", zorder=3)
+    columns = ["dataset", "drafter weights", *MEASURED, ">ms per draft token", "identical"]
+    rows = ([p.row.dataset, bits.get(p.x, p.x), *_cells(p.row, "draft_ms_per_token", ".1f")] for p in points)
+    return table(columns, rows)
 
 
 def plot_prompt_length(points: Sequence[Point], plain_limit: float, path: Path) -> Path:
     """Tokens/s vs prompt length per configuration, with the plain-decoding bandwidth limit."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.0, 4.5))
-    for config in dict.fromkeys(p.row.config for p in points):
-        mine = [p for p in points if p.row.config == config]
-        ax.plot([p.x for p in mine], [p.row.tokens_per_second for p in mine], marker="o", label=config)
-    _mark_not_identical(ax, points, lambda p: p.row.tokens_per_second)
-    ax.axhline(
-        plain_limit,
-        linestyle="--",
-        color="gray",
-        label=f"physical limit for plain decoding ({plain_limit:.0f} tokens/s)",
-    )
-    ax.set_xscale("log", base=2)
-    xs = sorted({p.x for p in points})
-    ax.set_xticks(xs, [str(x) for x in xs])
-    if plain_limit > 10 * max((p.row.tokens_per_second for p in points), default=0.0):
-        ax.set_yscale("log")  # keep the measured curves readable next to a far-away limit
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("tokens / s")
-    ax.set_title("Greedy decoding speed vs prompt length (red ×: outputs not identical)")
-    ax.legend(fontsize=8)
-    return save(fig, path)
+    lines = _lines(points, "config", "tokens_per_second")
+    speed = Panel("decoding speed vs prompt length", "tokens / s", lines, _bad(points))
+    return plot_lines(path, [speed], "prompt tokens", log_x=True, limit=plain_limit)
 
 
 def plot_block_size(points: Sequence[Point], path: Path) -> Path:
     """Tokens/s (left) and tokens per target forward (right) vs block size, one line per dataset."""
-    plt = pyplot()
-    fig, (speed, accept) = plt.subplots(1, 2, figsize=(10.0, 4.0))
-    for dataset in dict.fromkeys(p.row.dataset for p in points):
-        mine = [p for p in points if p.row.dataset == dataset]
-        speed.plot([p.x for p in mine], [p.row.tokens_per_second for p in mine], marker="o", label=dataset)
-        accept.plot([p.x for p in mine], [p.row.mean_acceptance_length or 0.0 for p in mine], marker="o", label=dataset)
-    _mark_not_identical(speed, points, lambda p: p.row.tokens_per_second)
-    xs = sorted({p.x for p in points})
-    for ax, label in ((speed, "tokens / s"), (accept, "tokens per target forward")):
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_xlabel("block size")
-        ax.set_ylabel(label)
-        ax.legend(fontsize=8)
     configs = ", ".join(dict.fromkeys(p.row.config.split("@")[0] for p in points))
-    fig.suptitle(f"{configs}: block size (red ×: outputs not identical)")
-    return save(fig, path)
+    speed = Panel(configs, "tokens / s", _lines(points, "dataset", "tokens_per_second"), _bad(points))
+    accepted = Panel(configs, "tokens per target forward", _lines(points, "dataset", "mean_acceptance_length"))
+    return plot_lines(path, [speed, accepted], "block size")
