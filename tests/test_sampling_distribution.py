@@ -42,7 +42,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "dflash": save_tiny_dflash(root / "dflash", version=1, vocab=VOCAB8, mask_token_id=7, block_size=3),
         "dflash2": save_tiny_dflash(root / "dflash2", version=2, vocab=VOCAB8, mask_token_id=7, block_size=3),
     }
-    for name in ("dflash", "dflash2"):  # the same drafters limited to drafting 5 of the 8 tokens
+    for name in ("dflash", "dflash2", "draft"):  # the same drafters limited to drafting 5 of the 8 tokens
         limited = paths[f"{name}-vocab"] = root / f"{name}-vocab"
         shutil.copytree(paths[name], limited)
         (limited / "draft_vocab.json").write_text(json.dumps({"token_ids": [0, 1, 2, 4, 6]}))
@@ -94,19 +94,15 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray, n: int) -> float:
 def drafter_for(name: str, paths: dict[str, Path]) -> Any:
     if name == "hybrid":  # lookup drafts (no probabilities) and DFlash2 drafts (with them) in one stream
         return [dflash2.drafters.NGramDrafter(block_size=3, min_ngram=1), paths["dflash2"]]
-    return {"plain": None, "ngram": dflash2.drafters.NGramDrafter(block_size=3), "autoregressive": paths["draft"]}.get(
-        name, paths.get(name)
-    )
+    named = {"plain": None, "ngram": dflash2.drafters.NGramDrafter(block_size=3), "autoregressive": paths["draft"]}
+    return named.get(name, paths.get(name.replace("autoregressive", "draft")))
 
 
 # "name@weights": the drafter in those weights (a drafter's precision never changes the distribution)
-CASES = [
-    (name, CONFIGS[0])
-    for name in ("plain", "ngram", "autoregressive", "autoregressive@same", "dflash", "dflash2", "dflash-vocab")
-] + [
-    (name, CONFIGS[1])
-    for name in ("ngram", "autoregressive", "autoregressive@int8", "dflash2", "dflash2@int4", "dflash2-vocab", "hybrid")
-]
+NAMES_T1 = ["plain", "ngram", "autoregressive", "autoregressive@same", "autoregressive-vocab@same", "dflash"]
+NAMES_TKP = ["ngram", "autoregressive", "autoregressive@int8", "autoregressive-vocab@int4", "dflash2", "dflash2@int4"]
+CASES = [(name, CONFIGS[0]) for name in [*NAMES_T1, "dflash2", "dflash-vocab"]]
+CASES += [(name, CONFIGS[1]) for name in [*NAMES_TKP, "dflash2-vocab", "hybrid"]]
 
 
 def sample_marginals(model: dflash2.Model, config: SamplingConfig, tokens: int, **options: Any) -> list[np.ndarray]:

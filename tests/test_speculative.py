@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import EOS, PAD, SPEC_PROMPTS, full_blocks
+from tiny import EOS, PAD, SPEC_PROMPTS, VOCAB, full_blocks
 
 import dflash2
 from dflash2.drafters import Draft, DraftContext, HybridDrafter, NGramDrafter, Outcome
@@ -47,6 +47,37 @@ def test_self_draft_accepts_every_token(paths: dict[str, Path]) -> None:
     # 1 token from the prefill, then 8 full blocks of 5 (4 drafts + the bonus)
     assert stats.acceptance_lengths == (5,) * 8
     assert stats.mean_acceptance_length == 5.0
+
+
+@pytest.mark.parametrize("weights", ["same", "int4"])
+def test_a_drafting_vocabulary_drafts_only_its_tokens(
+    weights: str, paths: dict[str, Path], references: dict[str, list[int]], tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The target drafting for itself over even token ids only: drafts of those alone, output unchanged."""
+    from dflash2.drafters.autoregressive import AutoregressiveSession
+
+    limited = tmp_path / "even"
+    shutil.copytree(paths["target"], limited)
+    even = list(range(0, VOCAB, 2))
+    (limited / "draft_vocab.json").write_text(json.dumps({"token_ids": even[::-1]}))  # any order
+    proposed: list[int] = []
+    propose = AutoregressiveSession.propose
+
+    def recording(session: AutoregressiveSession, max_tokens: int) -> Draft:
+        draft = propose(session, max_tokens)
+        proposed.extend(draft.tokens.tolist())
+        return draft
+
+    monkeypatch.setattr(AutoregressiveSession, "propose", recording)
+    model = full_blocks(dflash2.load(paths["target"], drafter=limited, drafter_weights=weights))
+    assert model.drafter.vocab.tolist() == even  # type: ignore[union-attr]
+    for pipeline in PIPELINES:
+        for prompt in PROMPTS:
+            assert list(model.generate(prompt, max_new_tokens=48, pipeline=pipeline).token_ids) == references[prompt]
+    assert proposed and all(t % 2 == 0 for t in proposed)
+    if weights == "same":  # the target's own choice wherever it is even: every such draft accepted
+        stats = model.generate(PROMPTS[1], max_new_tokens=48, pipeline="sync").stats
+        assert stats.mean_acceptance_length > 1.0
 
 
 def test_random_drafter_accepts_almost_nothing(paths: dict[str, Path]) -> None:

@@ -16,9 +16,10 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash2.drafters.autoregressive import AutoregressiveDrafter
 from dflash2.drafters.base import Draft, DraftContext, Drafter, DraftSession, Outcome
-from dflash2.drafters.dflash import DFlashDrafter, DFlashSpec, load_dflash_drafter, read_draft_vocab
+from dflash2.drafters.dflash import DFlashDrafter, DFlashSpec, load_dflash_drafter
 from dflash2.drafters.hybrid import HybridDrafter
 from dflash2.drafters.ngram import NGramDrafter
+from dflash2.drafters.vocabulary import read_draft_vocab
 from dflash2.errors import DrafterError, InvalidOptionError, TokenizerMismatchError
 from dflash2.runtime.loader import (
     load_decoder,
@@ -94,6 +95,7 @@ def load_drafter(
         target.spec.vocab_size,
         block_size=block_size or AutoregressiveDrafter.default_block_size,
         name=name,
+        vocab=read_draft_vocab(checkpoint),
     )
 
 

@@ -6,7 +6,9 @@ tokens are accepted, never the output). Under sampling each draft token is sampl
 drafter's distribution after the request's temperature / top-k / top-p transform, and that
 distribution travels with the draft for lossless acceptance. After each token the session asks
 the engine whether another one pays (``DraftContext.keep_drafting``), telling it how sure the
-drafter was of the token.
+drafter was of the token. A drafting vocabulary (``vocab``: the token ids it may draft) puts a
+smaller LM head in place of the full one: on a large vocabulary the head is a large share of a
+draft token's cost, and tokens outside it are simply never drafted (the target still emits them).
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ import torch
 
 from dflash2.config import SamplingConfig
 from dflash2.drafters.base import Draft, DraftContext, Outcome, PreDraft
+from dflash2.drafters.vocabulary import check_vocab
 from dflash2.errors import InvalidOptionError
 from dflash2.runtime.graphs import MAX_BUCKET, DecoderPool, Slot, StepMode
 from dflash2.runtime.kv_cache import KVCache
+from dflash2.runtime.linear import Linear
 from dflash2.runtime.model import Decoder
+from dflash2.runtime.quant import INT4_ROWS, format_of, quantize_linear, weight_of
 from dflash2.sampling import probabilities, sample
 from dflash2.tokenize import common_prefix
 
@@ -41,7 +46,12 @@ class AutoregressiveDrafter:
     default_block_size = 12  # a step drafts as far as the drafter is likely right (see engine.draft_length)
 
     def __init__(
-        self, model: Decoder, target_vocab_size: int, block_size: int = default_block_size, name: str = "autoregressive"
+        self,
+        model: Decoder,
+        target_vocab_size: int,
+        block_size: int = default_block_size,
+        name: str = "autoregressive",
+        vocab: torch.Tensor | None = None,
     ) -> None:
         if not isinstance(block_size, int) or not 2 <= block_size <= 64:
             raise InvalidOptionError(f"block_size must be an int in [2, 64], got {block_size!r}.")
@@ -50,6 +60,11 @@ class AutoregressiveDrafter:
         self.name = name
         self.target_vocab_size = target_vocab_size
         self.steps: DecoderPool | None = None
+        self.vocab: torch.Tensor | None = None  # sorted token ids it drafts (None: all)
+        self.head: torch.nn.Module | None = None  # the LM head's rows of those ids, in its format
+        if vocab is not None:
+            self.vocab = check_vocab(vocab, min(target_vocab_size, model.spec.vocab_size)).to(model.device)
+            self.head = _head_over(model, self.vocab)
         model.pack()
 
     @property
@@ -70,6 +85,20 @@ class AutoregressiveDrafter:
 
     def start(self, context: DraftContext) -> AutoregressiveSession:
         return AutoregressiveSession(self, context)
+
+
+def _head_over(model: Decoder, vocab: torch.Tensor) -> torch.nn.Module:
+    """``model``'s LM head cut to the rows of ``vocab``, in the head's own format; its rows padded
+    with zeros to a multiple of the int4 kernel's 16 (the caller keeps the first ``len(vocab)``)."""
+    weight = weight_of(model.lm_head, vocab).to(model.dtype)
+    rows = -(-weight.shape[0] // INT4_ROWS) * INT4_ROWS
+    head = Linear(model.spec.hidden_size, rows)
+    head.weight = torch.nn.Parameter(torch.cat([weight, weight.new_zeros(rows - len(vocab), weight.shape[1])]))
+    head.requires_grad_(False)
+    quantized = quantize_linear(head, format_of(model.lm_head))
+    if isinstance(quantized, Linear):
+        quantized.pack()
+    return quantized
 
 
 class AutoregressiveSession:
@@ -127,17 +156,39 @@ class AutoregressiveSession:
         return logits
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
-        """Process ``tokens`` after the cached ones; logits after the last of them."""
+        """Process ``tokens`` after the cached ones; logits after the last of them (over the
+        drafting vocabulary when there is one)."""
         assert self._cache is not None
         ids = torch.tensor(tokens, device=self._model.device)
+        vocab, head = self._d.vocab, self._d.head
         if self._slot is not None and len(tokens) <= MAX_BUCKET:
             last = self._slot.forward(ids)[0][-1]
+            last = last if vocab is None else last[vocab]
+        elif head is not None and vocab is not None:  # the final hidden state through the vocabulary's head
+            out = self._model(ids[None], self._cache, logits="none", capture=(self._model.spec.num_layers - 1,))
+            assert out.hidden is not None
+            last = head(out.hidden[0, -1:])[0, : len(vocab)]
         else:
             logits = self._model(ids[None], self._cache, logits="last").logits
             assert logits is not None
             last = logits[0, -1]
         self._cached.extend(tokens)
-        return self._fit_vocab(last)
+        return last if vocab is not None else self._fit_vocab(last)
+
+    def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+        """The next draft token from ``logits`` (greedy or sampled), its distribution over the
+        target's vocabulary (sampling only) and the drafter's probability of it."""
+        vocab = self._d.vocab
+        if self._sampling.greedy:
+            column = int(logits.argmax())
+            sure, row = float(torch.softmax(logits.float(), -1)[column]), None
+        else:
+            q = probabilities(logits, self._sampling)
+            column = int(sample(q, self._generator))
+            sure, row = float(q[column]), q
+            if vocab is not None:  # zero outside the drafting vocabulary
+                row = q.new_zeros(self._d.target_vocab_size).index_copy_(0, vocab, q)
+        return (column if vocab is None else int(vocab[column])), row, sure
 
     def _draft_after(
         self, context: list[int], count: int, stop_early: bool = False
@@ -155,15 +206,11 @@ class AutoregressiveSession:
         sure: list[float] = []
         keep = self._keep_drafting if stop_early else None
         for i in range(count):
-            if self._sampling.greedy:
-                token = int(logits.argmax())
-                sure.append(float(torch.softmax(logits.float(), -1)[token]))
-            else:
-                q = probabilities(logits, self._sampling)
-                token = int(sample(q, self._generator))
-                rows.append(q)
-                sure.append(float(q[token]))
+            token, row, p = self._pick(logits)
             tokens.append(token)
+            sure.append(p)
+            if row is not None:
+                rows.append(row)
             if i + 1 == count or (keep is not None and not keep(i + 1, sure[-1])):
                 break
             logits = self._feed([token])

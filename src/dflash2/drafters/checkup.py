@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dflash2.drafters.dflash import DFlashModel, DFlashSpec, check_vocab, ours_to_zlab, read_draft_vocab
+from dflash2.drafters.dflash import DFlashModel, DFlashSpec, ours_to_zlab
+from dflash2.drafters.vocabulary import check_vocab, read_draft_vocab
 from dflash2.errors import DFlash2Error, DrafterError
 from dflash2.runtime.loader import load_hf_config, read_config, resolve_checkpoint, safetensors_files
 from dflash2.runtime.spec import ModelSpec, rope_parameters_of

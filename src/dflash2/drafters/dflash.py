@@ -16,10 +16,8 @@ an output multiplier and logit soft-capping. Checkpoints use the z-lab format: `
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +26,7 @@ from transformers import Qwen3Config
 
 from dflash2.config import SamplingConfig
 from dflash2.drafters.base import Draft, DraftContext, DraftSession, Outcome, PreDraft
+from dflash2.drafters.vocabulary import check_vocab
 from dflash2.errors import DrafterError
 from dflash2.runtime.graphs import (
     MAX_BUCKET,
@@ -1017,31 +1016,6 @@ class DFlashSession:
         slot, self._slot = self._slot, None
         if slot is not None and self._d.steps is not None:
             self._d.steps.release(slot)
-
-
-DRAFT_VOCAB_FILE = "draft_vocab.json"
-
-
-def check_vocab(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``vocab`` as sorted, distinct int64 ids of the target's vocabulary, or ``DrafterError``."""
-    ids = torch.as_tensor(vocab, dtype=torch.long).flatten().cpu()
-    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise DrafterError(f"the drafting vocabulary must be a non-empty set of token ids below {vocab_size}.")
-    if torch.unique(ids).numel() != ids.numel():
-        raise DrafterError("the drafting vocabulary lists a token id twice.")
-    return ids.sort().values
-
-
-def read_draft_vocab(checkpoint: Path) -> torch.Tensor | None:
-    """The drafting vocabulary stored beside a drafter (``draft_vocab.json``: ``{"token_ids": [...]}``)."""
-    path = checkpoint / DRAFT_VOCAB_FILE
-    if not path.is_file():
-        return None
-    try:
-        ids = json.loads(path.read_text())["token_ids"]
-        return torch.tensor([int(i) for i in ids], dtype=torch.long)
-    except (ValueError, KeyError, TypeError) as err:
-        raise DrafterError(f'{path} is not a drafting vocabulary ({{"token_ids": [...]}}): {err}') from err
 
 
 def load_dflash_drafter(

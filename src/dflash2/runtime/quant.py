@@ -139,6 +139,13 @@ class HalfLinear(nn.Module):
         return padded_product(x.to(torch.bfloat16), lambda rows: F.linear(rows, self.weight, self.bias)).to(x.dtype)
 
 
+def format_of(layer: nn.Module) -> WeightFormat:
+    """The format a linear layer computes in (``"same"``: as loaded)."""
+    if isinstance(layer, QuantLinear):
+        return layer.format
+    return "bf16" if isinstance(layer, HalfLinear) else "same"
+
+
 def weight_of(layer: nn.Module, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 weight [N, K] a linear layer of any format computes with (``rows``: only those
     output rows), e.g. to build a smaller head from a quantized LM head."""

@@ -27,16 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from dflash2.api import Model, load
-from dflash2.drafters.dflash import (
-    DRAFT_VOCAB_FILE,
-    DFlashLayer,
-    DFlashModel,
-    DFlashSpec,
-    DraftPart,
-    ours_to_zlab,
-    read_draft_vocab,
-    spread_layers,
-)
+from dflash2.drafters.dflash import DFlashLayer, DFlashModel, DFlashSpec, DraftPart, ours_to_zlab, spread_layers
+from dflash2.drafters.vocabulary import DRAFT_VOCAB_FILE, read_draft_vocab
 from dflash2.errors import DrafterError
 from dflash2.runtime.device import resolve_device
 from dflash2.runtime.loader import load_safetensors

@@ -1,0 +1,39 @@
+"""A drafting vocabulary: the token ids a drafter may draft, with a smaller LM head over them.
+
+Tokens outside it are never drafted (the target still emits them, so the output never changes);
+on a large vocabulary the LM head is a large share of a draft token's cost. A drafter checkpoint
+may carry one beside its weights (``draft_vocab.json``: ``{"token_ids": [...]}``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dflash2.errors import DrafterError
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def check_vocab(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``vocab`` as sorted, distinct int64 ids of the target's vocabulary, or ``DrafterError``."""
+    ids = torch.as_tensor(vocab, dtype=torch.long).flatten().cpu()
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise DrafterError(f"the drafting vocabulary must be a non-empty set of token ids below {vocab_size}.")
+    if torch.unique(ids).numel() != ids.numel():
+        raise DrafterError("the drafting vocabulary lists a token id twice.")
+    return ids.sort().values
+
+
+def read_draft_vocab(checkpoint: Path) -> torch.Tensor | None:
+    """The drafting vocabulary stored beside a drafter (``draft_vocab.json``: ``{"token_ids": [...]}``)."""
+    path = checkpoint / DRAFT_VOCAB_FILE
+    if not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())["token_ids"]
+        return torch.tensor([int(i) for i in ids], dtype=torch.long)
+    except (ValueError, KeyError, TypeError) as err:
+        raise DrafterError(f'{path} is not a drafting vocabulary ({{"token_ids": [...]}}): {err}') from err
