@@ -24,7 +24,7 @@ import torch
 
 from dflash2.api import Model
 from dflash2.bench.data import Prompt
-from dflash2.bench.report import Panel, fmt, plot_lines, table
+from dflash2.bench.report import Panel, fmt, lines_of, plot_lines, table
 from dflash2.tokenize import encode_prompt
 
 PEER = "transformers-batch"
@@ -159,8 +159,7 @@ def plot_levels(levels: Sequence[Level], path: Path) -> Path:
     """Aggregate tokens/s against concurrent streams, one panel per dataset."""
     panels = []
     for dataset in sorted({lv.dataset for lv in levels}):
-        lines: dict[str, list[tuple[float, float]]] = {}
-        for lv in (lv for lv in levels if lv.dataset == dataset):
-            lines.setdefault(lv.config, []).append((lv.streams, lv.tokens_per_second))
+        mine = [lv for lv in levels if lv.dataset == dataset]
+        lines = lines_of(mine, lambda lv: lv.config, lambda lv: (lv.streams, lv.tokens_per_second))
         panels.append(Panel(dataset, "aggregate tokens / s", lines))
     return plot_lines(path, panels, "concurrent streams", log_x=True)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from dflash2.api import Model
 from dflash2.bench.data import Prompt
-from dflash2.bench.report import Panel, checked, plot_lines, table
+from dflash2.bench.report import Panel, checked, lines_of, plot_lines, table
 from dflash2.drafters.dflash import DFlashSpec, load_dflash_drafter, ours_to_zlab
 from dflash2.engine.draft_length import DraftLengthPolicy
 
@@ -67,8 +67,6 @@ def curve_table(points: Sequence[CurvePoint]) -> str:
 
 
 def plot_curve(points: Sequence[CurvePoint], path: Path) -> Path:
-    lines: dict[str, list[tuple[float, float]]] = {}
-    for p in points:
-        lines.setdefault(p.dataset, []).append((p.supervised_tokens, p.mean_acceptance_length))
+    lines = lines_of(points, lambda p: p.dataset, lambda p: (p.supervised_tokens, p.mean_acceptance_length))
     panel = Panel("shipped drafter: acceptance vs training", "tokens per target forward", lines)
     return plot_lines(path, [panel], "supervised block tokens seen in training")

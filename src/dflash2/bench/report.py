@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from dflash2.bench.harness import Row
+
+T = TypeVar("T")
 
 
 def write_record(
@@ -91,12 +93,23 @@ def update_section(doc: Path, name: str, content: str) -> None:
     doc.write_text(text)
 
 
+Lines = dict[str, list[tuple[float, float]]]  # label -> (x, y) points
+
+
+def lines_of(items: Iterable[T], label: Callable[[T], str], point: Callable[[T], tuple[float, float]]) -> Lines:
+    """``items`` as plot lines: one per ``label``, its ``point`` s in the items' order."""
+    lines: Lines = {}
+    for item in items:
+        lines.setdefault(label(item), []).append(point(item))
+    return lines
+
+
 class Panel(NamedTuple):
     """One plot panel: lines of (x, y) points by label; ``bad`` points (outputs not identical) marked."""
 
     title: str
     ylabel: str
-    lines: dict[str, list[tuple[float, float]]]
+    lines: Lines
     bad: Sequence[tuple[float, float]] = ()
 
 

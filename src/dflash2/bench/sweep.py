@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash2.bench.data import Prompt
 from dflash2.bench.harness import Row, run_matrix
-from dflash2.bench.report import Panel, checked, fmt, plot_lines, table
+from dflash2.bench.report import Lines, Panel, checked, fmt, lines_of, plot_lines, table
 from dflash2.bench.runners import Runner
 from dflash2.tokenize import encode_prompt
 
@@ -117,12 +117,9 @@ def drafted_sweep(
     return [Point(sweep, size[r.config], actual[r.dataset], r) for r in rows if r.config in size]
 
 
-def _lines(points: Sequence[Point], by: str, y: str) -> dict[str, list[tuple[float, float]]]:
+def _lines(points: Sequence[Point], by: str, y: str) -> Lines:
     """The points as lines: one per value of the rows' field ``by``, their field ``y`` against x."""
-    lines: dict[str, list[tuple[float, float]]] = {}
-    for p in points:
-        lines.setdefault(getattr(p.row, by), []).append((p.x, getattr(p.row, y) or 0.0))
-    return lines
+    return lines_of(points, lambda p: getattr(p.row, by), lambda p: (p.x, getattr(p.row, y) or 0.0))
 
 
 def _bad(points: Sequence[Point]) -> list[tuple[float, float]]:

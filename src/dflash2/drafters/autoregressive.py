@@ -19,13 +19,13 @@ import torch
 
 from dflash2.config import SamplingConfig
 from dflash2.drafters.base import Draft, DraftContext, Outcome, PreDraft
-from dflash2.drafters.vocabulary import check_vocab
+from dflash2.drafters.vocabulary import check_vocab, to_full_vocab, vocab_head
 from dflash2.errors import InvalidOptionError
 from dflash2.runtime.graphs import MAX_BUCKET, DecoderPool, Slot, StepMode
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.linear import Linear
 from dflash2.runtime.model import Decoder
-from dflash2.runtime.quant import INT4_ROWS, format_of, quantize_linear, weight_of
+from dflash2.runtime.quant import INT4_ROWS, format_of, quantize_linear
 from dflash2.sampling import probabilities, sample
 from dflash2.tokenize import common_prefix
 
@@ -88,13 +88,9 @@ class AutoregressiveDrafter:
 
 
 def _head_over(model: Decoder, vocab: torch.Tensor) -> torch.nn.Module:
-    """``model``'s LM head cut to the rows of ``vocab``, in the head's own format; its rows padded
-    with zeros to a multiple of the int4 kernel's 16 (the caller keeps the first ``len(vocab)``)."""
-    weight = weight_of(model.lm_head, vocab).to(model.dtype)
-    rows = -(-weight.shape[0] // INT4_ROWS) * INT4_ROWS
-    head = Linear(model.spec.hidden_size, rows)
-    head.weight = torch.nn.Parameter(torch.cat([weight, weight.new_zeros(rows - len(vocab), weight.shape[1])]))
-    head.requires_grad_(False)
+    """``model``'s LM head cut to the rows of ``vocab``, in the head's own format (rows padded to
+    the int4 kernel's 16: the caller keeps the first ``len(vocab)``)."""
+    head = vocab_head(model.lm_head, vocab, model.dtype, multiple=INT4_ROWS)
     quantized = quantize_linear(head, format_of(model.lm_head))
     if isinstance(quantized, Linear):
         quantized.pack()
@@ -187,7 +183,7 @@ class AutoregressiveSession:
             column = int(sample(q, self._generator))
             sure, row = float(q[column]), q
             if vocab is not None:  # zero outside the drafting vocabulary
-                row = q.new_zeros(self._d.target_vocab_size).index_copy_(0, vocab, q)
+                row = to_full_vocab(q, vocab, self._d.target_vocab_size)
         return (column if vocab is None else int(vocab[column])), row, sure
 
     def _draft_after(

@@ -26,7 +26,7 @@ from transformers import Qwen3Config
 
 from dflash2.config import SamplingConfig
 from dflash2.drafters.base import Draft, DraftContext, DraftSession, Outcome, PreDraft
-from dflash2.drafters.vocabulary import check_vocab
+from dflash2.drafters.vocabulary import check_vocab, to_full_vocab, vocab_head
 from dflash2.errors import DrafterError
 from dflash2.runtime.graphs import (
     MAX_BUCKET,
@@ -42,7 +42,7 @@ from dflash2.runtime.graphs import (
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.linear import Linear, pack_linears
 from dflash2.runtime.model import MLP, Decoder, RotaryTable, apply_rope, attend, rms_norm
-from dflash2.runtime.quant import WeightFormat, quantize_linear, quantize_linears, weight_of
+from dflash2.runtime.quant import WeightFormat, quantize_linear, quantize_linears
 from dflash2.runtime.spec import ModelSpec, rope_frequencies, rope_parameters_of
 from dflash2.sampling import probabilities, sample
 
@@ -641,9 +641,7 @@ class DFlashDrafter:
         self.head: nn.Module = target.lm_head
         if vocab is not None:
             self.vocab = check_vocab(vocab, target.spec.vocab_size).to(target.device)
-            head = Linear(target.spec.hidden_size, int(self.vocab.numel()))
-            head.weight = nn.Parameter(weight_of(target.lm_head, self.vocab).to(target.dtype), requires_grad=False)
-            self.head = head
+            self.head = vocab_head(target.lm_head, self.vocab, target.dtype)
         pack_linears(model)
         if isinstance(self.head, Linear) and self.head is not target.lm_head:
             self.head.pack()
@@ -952,7 +950,7 @@ class DFlashSession:
         if vocab is None:
             return tokens, probs
         if probs is not None:  # back to the whole vocabulary: zero outside the drafting tokens
-            probs = probs.new_zeros(probs.shape[0], self._d.target.spec.vocab_size).index_copy_(1, vocab, probs)
+            probs = to_full_vocab(probs, vocab, self._d.target.spec.vocab_size)
         return vocab[tokens], probs
 
     def propose(self, max_tokens: int) -> Draft:
