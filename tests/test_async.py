@@ -316,3 +316,39 @@ def test_stream_in_a_jupyter_kernel(paths: dict[str, Path], references: dict[str
     nbclient.NotebookClient(notebook, timeout=240, kernel_name="python3").execute()
     printed = [cell.outputs[0]["text"].strip() for cell in notebook.cells[1:]]
     assert printed == [str(references[PROMPTS[0]]), str(references[PROMPTS[1]])]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc (Linux)")
+@pytest.mark.parametrize("drafter", ["none", "ngram", "self"])
+def test_generation_leaves_no_compute_threads_on_the_callers_thread(tmp_path: Path, drafter: str) -> None:
+    """Tensor work dflash2 does on the caller's thread (storing a finished request's state in the
+    prefix cache) must not start an OpenMP team there: beside the verify thread's own team, an
+    idle one makes every later parallel region sleep and wake instead of spin (see runtime.workers)."""
+    import torch
+    from tiny import save_tiny
+
+    from dflash2.runtime.workers import release_thread_pool
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one core: OpenMP starts no team")
+    # a cache big enough that copying it is a parallel region: 4 layers x 4 heads x 64 dims a token
+    path = save_tiny(tmp_path / "t", "llama", hidden_size=256, num_hidden_layers=4, num_key_value_heads=4)
+    model = dflash2.load(path, device="cpu")
+    if drafter != "none":
+        model = model.with_drafter("ngram" if drafter == "ngram" else path)
+    prompt = "the cache of this prompt is copied into the prefix cache when the request ends. " * 2
+    model.generate(prompt, max_new_tokens=4)  # every thread dflash2 keeps is running now
+    release_thread_pool()
+    threads = len(list(Path("/proc/self/task").iterdir()))
+
+    async def consume(text: str) -> None:
+        async for _ in model.stream(text, max_new_tokens=8):
+            pass
+
+    async def side_by_side() -> None:  # concurrent streams share packed steps
+        await asyncio.gather(consume(prompt[::-1]), consume(prompt[2:]))
+
+    for pipeline in ("sync", "async"):
+        model.generate(prompt[1:], max_new_tokens=8, pipeline=pipeline)
+    asyncio.run(side_by_side())
+    assert len(list(Path("/proc/self/task").iterdir())) == threads

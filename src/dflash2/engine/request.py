@@ -51,7 +51,7 @@ from dflash2.errors import DrafterError
 from dflash2.runtime.graphs import DecoderPool, Slot
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.model import Decoder
-from dflash2.runtime.workers import Timed, Worker
+from dflash2.runtime.workers import Timed, Worker, one_thread
 from dflash2.sampling import choose, make_generator
 from dflash2.stream import EngineCounters
 from dflash2.verify import accept
@@ -193,7 +193,8 @@ class Request:
 
     def _free(self) -> None:
         try:
-            self._store()
+            with one_thread():  # often on the event loop's thread
+                self._store()
         finally:
             session, self.session, self.cache = self.session, None, None
             slot, self.slot = self.slot, None

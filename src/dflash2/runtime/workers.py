@@ -27,8 +27,8 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from contextlib import nullcontext, suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext, suppress
 from typing import Any, ClassVar, TypeVar, cast
 
 import anyio
@@ -59,21 +59,28 @@ class _OpenMP:
     pays a sleep/wake-up. Measured on this project's 2-core CPU (SmolLM2-135M, one token): 34 ms
     on the only multi-threaded thread, 49-55 ms when another thread kept its own OpenMP team. So
     every parallel compute runs on one thread (the verify worker); the draft worker runs 1 thread;
-    and ``load`` frees the team its caller's thread acquired while loading.
+    ``load`` frees the team its caller's thread acquired while loading; and the little tensor work
+    dflash2 does on a caller's thread (storing a finished request's state) runs in
+    :func:`one_thread`, which starts no team there.
     """
 
     def __init__(self) -> None:
         try:
             lib = ctypes.CDLL(None)
             self._set_threads: Any = lib.omp_set_num_threads
+            self._get_threads: Any = lib.omp_get_max_threads
             self._pause: Any = lib.omp_pause_resource_all
         except (OSError, AttributeError):  # no OpenMP in this build: nothing to tune
-            self._set_threads = self._pause = None
+            self._set_threads = self._get_threads = self._pause = None
 
     def set_threads(self, count: int) -> None:
         """Threads of the calling thread's parallel regions (its own setting: other threads keep theirs)."""
         if self._set_threads is not None:
             self._set_threads(count)
+
+    def threads(self) -> int | None:
+        """Threads of the calling thread's parallel regions (``None`` without OpenMP)."""
+        return int(self._get_threads()) if self._get_threads is not None else None
 
     def release(self) -> None:
         """Stop the calling thread's idle OpenMP team threads; the next parallel region starts a new team."""
@@ -87,6 +94,21 @@ _OMP = _OpenMP()
 def release_thread_pool() -> None:
     """Free the calling thread's OpenMP team, so that dflash2's compute threads keep theirs fast."""
     _OMP.release()
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block's tensor work on the calling thread alone: a thread that is not a compute
+    worker (an event loop's, a caller's) must not start an OpenMP team (see ``_OpenMP``)."""
+    before = _OMP.threads()
+    if before is None or before == 1:
+        yield
+        return
+    _OMP.set_threads(1)
+    try:
+        yield
+    finally:
+        _OMP.set_threads(before)
 
 
 def _loop_waker(event: anyio.Event) -> Callable[[], None]:
