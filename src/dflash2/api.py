@@ -43,6 +43,7 @@ from dflash2.runtime.graphs import MAX_BUCKET, DecoderPool, buckets_up_to
 from dflash2.runtime.loader import load_decoder, load_eos_ids, load_tokenizer, resolve_checkpoint
 from dflash2.runtime.model import Decoder
 from dflash2.runtime.quant import check_target_weights, check_weight_format
+from dflash2.runtime.threads import Threads, check_threads
 from dflash2.runtime.workers import Workers, release_thread_pool
 from dflash2.stream import BlockingTokenStream, Completion, TokenSource, TokenStream
 from dflash2.tokenize import Prompt, encode_prompt
@@ -327,6 +328,7 @@ def load(
     graphs: GraphConfig | GraphMode = "auto",
     max_batch: int = 8,
     prefix_cache: int = 4096,
+    threads: Threads = "auto",
 ) -> Model:
     """Load a target model from a hub id, a local directory or a ``.gguf`` file, and a drafter.
 
@@ -346,10 +348,15 @@ def load(
     concurrent streams whose steps share one target forward (see ``engine.batch``).
     ``prefix_cache``: tokens of finished requests' state kept for later requests that start the same
     way (a chat's or an agent's next turn prefills only what is new); 0 turns it off.
+    ``threads``: the cores a CPU forward computes on; ``"auto"``: as many as torch uses and the
+    process may run on, fewer while other busy work on the machine makes fewer faster (measured
+    now and then, see ``runtime.threads``).
     """
     if not isinstance(max_batch, int) or isinstance(max_batch, bool) or not 1 <= max_batch <= 256:
         raise InvalidOptionError(f"max_batch must be an int in [1, 256], got {max_batch!r}.")
     prefixes = PrefixCache(prefix_cache)  # checks the option before anything loads
+    if threads != "auto":
+        check_threads(threads)
     if not isinstance(target, (str, os.PathLike)):
         raise InvalidOptionError(f"target must be a hub id or a path, not {type(target).__name__}.")
     if block_size is not None:
@@ -376,7 +383,7 @@ def load(
         name = Path(str(target)).name or str(target)
         model = Model(
             decoder, tokenizer, eos, name=name, checkpoint=checkpoint, graphs=graph_config, max_batch=max_batch,
-            prefixes=prefixes,
+            prefixes=prefixes, workers=Workers.shared(resolved_device, threads),
         )  # fmt: skip
         return model.with_drafter(drafter, block_size, drafter_weights)
     finally:

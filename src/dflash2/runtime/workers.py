@@ -36,6 +36,7 @@ import anyio.lowlevel
 import torch
 
 from dflash2.errors import StreamStateError
+from dflash2.runtime.threads import ThreadPolicy, Threads, available_cores, check_threads
 
 T = TypeVar("T")
 log = logging.getLogger("dflash2")
@@ -158,6 +159,11 @@ class _Job:
         self._ok = False
         self._result: Any = None
 
+    @property
+    def own_threads(self) -> bool:
+        """Whether the job runs on its worker's thread count (it asked for none of its own)."""
+        return self._threads is None
+
     def take_back(self) -> bool:
         """Skip the job if it has not started; return whether it will never run."""
         with self._lock:
@@ -215,23 +221,25 @@ class _Job:
 class _Lane:
     """A thread and its own job queue; the job it runs now is ``current``."""
 
-    def __init__(self, name: str, device: torch.device, threads: int | None) -> None:
+    def __init__(self, name: str, device: torch.device, threads: int | None, policy: ThreadPolicy | None) -> None:
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.current: _Job | None = None
-        self.thread = threading.Thread(target=_serve, args=(self, device, threads), name=name, daemon=True)
+        self.thread = threading.Thread(target=_serve, args=(self, device, threads, policy), name=name, daemon=True)
 
     def stop(self) -> None:
         self.jobs.put(None)
 
 
-def _serve(lane: _Lane, device: torch.device, threads: int | None) -> None:
-    """A worker thread's loop; it holds no reference to its ``Worker``, so that can be collected."""
+def _serve(lane: _Lane, device: torch.device, threads: int | None, policy: ThreadPolicy | None) -> None:
+    """A worker thread's loop; it holds no reference to its ``Worker``, so that can be collected.
+    With a ``policy`` the thread count of jobs that do not ask for one is the policy's."""
     broken: BaseException | None = None
     try:
         stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
     except Exception as err:  # every job gets this error instead of waiting for a thread that cannot run it
         stream, broken = None, err
     if threads is not None:
+        torch.get_num_threads()  # torch sets a new thread's count at its first use: let it, then set ours
         _OMP.set_threads(threads)
     while (job := lane.jobs.get()) is not None:
         lane.current = job
@@ -239,6 +247,8 @@ def _serve(lane: _Lane, device: torch.device, threads: int | None) -> None:
             if broken is not None:
                 job.fail(broken)
             else:
+                if policy is not None and job.own_threads and policy.due(time.perf_counter()):
+                    threads = policy.measure(_OMP.set_threads)
                 job.run(stream, threads)
         except BaseException:  # pragma: no cover - job.run hands every error to its caller
             log.exception("dflash2 worker %s: a job failed outside its guard", threading.current_thread().name)
@@ -262,10 +272,19 @@ class Worker:
     collected, or at interpreter exit.
     """
 
-    def __init__(self, name: str, device: torch.device, threads: int | None = None, stall_s: float = STALL_S) -> None:
+    def __init__(
+        self,
+        name: str,
+        device: torch.device,
+        threads: int | None = None,
+        stall_s: float = STALL_S,
+        policy: ThreadPolicy | None = None,
+    ) -> None:
         self.name = name
         self.device = device
-        self.threads = threads if device.type == "cpu" else None
+        cpu = device.type == "cpu"
+        self.policy = policy if cpu else None
+        self.threads = (policy.limit if policy is not None else threads) if cpu else None
         self.stall_s = stall_s
         self.replaced = 0  # threads that died or were retired as stuck, and were replaced
         self._lock = threading.Lock()
@@ -276,6 +295,11 @@ class Worker:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def threads_now(self) -> int | None:
+        """The thread count of jobs that ask for none: the policy's current choice, if it has one."""
+        return self.policy.current if self.policy is not None else self.threads
 
     def _submit(self, job: _Job) -> None:
         with self._lock:
@@ -289,7 +313,7 @@ class Worker:
             lane.jobs.put(job)
 
     def _start_lane(self) -> _Lane:
-        lane = _Lane(f"dflash2-{self.name}", self.device, self.threads)
+        lane = _Lane(f"dflash2-{self.name}", self.device, self.threads_now, self.policy)
         lane.thread.start()
         self._lanes[:] = [lane]
         with _LANES_LOCK:
@@ -381,34 +405,37 @@ def _stop_all_threads() -> None:
 class Workers:
     """The verifier's and the drafter's compute threads of a device, shared by every model on it.
 
-    On the CPU the verify worker runs every step on all of torch's threads, except while the
-    drafter works at the same time on the draft worker: then it leaves one core to the drafter,
-    whose worker always runs a single thread (see ``_OpenMP`` for why only one thread may run a
-    multi-threaded team).
+    On the CPU the verify worker runs every step on ``threads`` cores (``"auto"``: as many of
+    torch's threads as the process may run on, fewer while other work on the machine makes fewer
+    faster, see ``runtime.threads``), except while the drafter works at the same time on the draft
+    worker: then it leaves one core to the drafter, whose worker always runs a single thread (see
+    ``_OpenMP`` for why only one thread may run a multi-threaded team).
     """
 
-    _shared: ClassVar[dict[torch.device, Workers]] = {}
+    _shared: ClassVar[dict[tuple[torch.device, Threads], Workers]] = {}
     _shared_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, device: torch.device, threads: int | None = None) -> None:
+    def __init__(self, device: torch.device, threads: Threads = "auto") -> None:
         self.device = device
-        self.threads = threads or torch.get_num_threads()
-        self.verify = Worker("verify", device, self.threads)
+        limit = min(torch.get_num_threads(), available_cores())
+        self.threads = check_threads(threads) if threads != "auto" else limit
+        policy = ThreadPolicy(limit) if threads == "auto" and device.type == "cpu" else None
+        self.verify = Worker("verify", device, self.threads, policy=policy)
         self.draft = Worker("draft", device, 1)
 
     @classmethod
-    def shared(cls, device: torch.device) -> Workers:
-        """The process-wide workers of ``device`` (created on first use)."""
+    def shared(cls, device: torch.device, threads: Threads = "auto") -> Workers:
+        """The process-wide workers of ``device`` with ``threads`` (created on first use)."""
         with cls._shared_lock:
-            workers = cls._shared.get(device)
+            workers = cls._shared.get((device, threads))
             if workers is None or workers.verify.closed:
-                workers = cls._shared[device] = Workers(device)
+                workers = cls._shared[(device, threads)] = Workers(device, threads)
             return workers
 
     @property
     def overlapped_verify_threads(self) -> int:
         """Cores the verifier keeps while the drafter runs beside it."""
-        return max(1, self.threads - 1)
+        return max(1, (self.verify.threads_now or 1) - 1)
 
     def close(self) -> None:
         self.verify.close()

@@ -1,0 +1,110 @@
+"""The verify thread's core count: the ``threads`` option and the measured choice under contention."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiny import SPEC_PROMPTS
+
+import dflash2
+from dflash2 import InvalidOptionError
+from dflash2.runtime.threads import ThreadPolicy, available_cores
+from dflash2.runtime.workers import Worker
+
+
+class _Machine:
+    """A workload whose seconds depend on the thread count the policy set: a stand-in machine."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        self.seconds = seconds
+        self.threads = 0
+
+    def set_threads(self, count: int) -> None:
+        self.threads = count
+
+    def __call__(self) -> None:
+        time.sleep(self.seconds[self.threads])
+
+
+def _policy(machine: _Machine, limit: int = 2, **options: Any) -> ThreadPolicy:
+    return ThreadPolicy(limit, every_s=0.0, workload=machine, **options)
+
+
+def test_all_cores_while_they_are_faster_fewer_while_they_are_not() -> None:
+    machine = _Machine({1: 0.004, 2: 0.002})
+    policy = _policy(machine)
+    assert policy.measure(machine.set_threads) == 2 and machine.threads == 2
+    machine.seconds = {1: 0.002, 2: 0.008}  # another process took a core
+    assert policy.measure(machine.set_threads) == 1 and machine.threads == 1
+    machine.seconds = {1: 0.004, 2: 0.002}  # it ended
+    assert policy.measure(machine.set_threads) == 2 and machine.threads == 2
+
+
+def test_a_count_changes_only_when_clearly_faster() -> None:
+    machine = _Machine({1: 0.0050, 2: 0.0052})
+    policy = _policy(machine, margin=0.2)
+    assert policy.measure(machine.set_threads) == 2
+
+
+def test_the_choice_moves_one_core_at_a_time_and_stays_within_the_limit() -> None:
+    machine = _Machine({count: 0.001 * abs(count - 2) + 0.001 for count in range(1, 9)})  # 2 is best
+    policy = _policy(machine, limit=8)
+    assert [policy.measure(machine.set_threads) for _ in range(8)] == [7, 6, 5, 4, 3, 2, 2, 2]
+
+
+def test_measurements_wait_their_interval_and_never_run_for_one_core() -> None:
+    machine = _Machine({1: 0.0, 2: 0.0})
+    policy = ThreadPolicy(2, every_s=60.0, workload=machine)
+    now = time.perf_counter()
+    assert policy.due(now)
+    policy.measure(machine.set_threads)
+    assert not policy.due(time.perf_counter())
+    assert not ThreadPolicy(1).due(now)
+
+
+def test_the_verify_worker_runs_jobs_at_the_measured_count() -> None:
+    if torch.get_num_threads() < 2:
+        pytest.skip("one core: nothing to choose")
+
+    def slower_on_two() -> None:  # what a busy neighbour on the second core does
+        time.sleep(0.004 if torch.get_num_threads() > 1 else 0.001)
+
+    worker = Worker("verify", torch.device("cpu"), policy=ThreadPolicy(2, every_s=0.0, workload=slower_on_two))
+    try:
+        assert worker.call(torch.get_num_threads) == 1
+        assert worker.threads_now == 1
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True, "all"])
+def test_bad_threads_fail_before_loading(threads: Any) -> None:
+    with pytest.raises(InvalidOptionError, match="threads must be"):
+        dflash2.load("/nonexistent/model", threads=threads)
+
+
+def test_a_fixed_thread_count_runs_every_step_on_it(paths: dict[str, Path], references: dict[str, list[int]]) -> None:
+    model = dflash2.load(paths["target"], threads=1).with_drafter("ngram")
+    assert model.workers.verify.threads_now == 1 and model.workers.verify.policy is None
+    assert model.workers.verify.call(torch.get_num_threads) == 1
+    prompt = SPEC_PROMPTS[0]
+    assert list(model.generate(prompt, max_new_tokens=48).token_ids) == references[prompt]
+    auto = dflash2.load(paths["target"])
+    assert auto.workers is not model.workers and auto.workers.verify.policy is not None
+    assert auto.workers.verify.policy.limit == min(torch.get_num_threads(), available_cores())
+
+
+def test_the_draft_worker_computes_on_one_thread_after_torch_set_num_threads() -> None:
+    """torch gives a new thread the count of ``torch.set_num_threads`` at its first use; a worker
+    sets its own after that (the tests' conftest calls ``torch.set_num_threads``)."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one core: nothing to choose")
+    worker = Worker("draft", torch.device("cpu"), 1)
+    try:
+        assert worker.call(torch.get_num_threads) == 1
+    finally:
+        worker.close()
