@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from tiny import SPEC_PROMPTS
 import dflash2
 from dflash2 import InvalidOptionError
 from dflash2.runtime.threads import ThreadPolicy, available_cores
-from dflash2.runtime.workers import Worker
+from dflash2.runtime.workers import Worker, one_thread
 
 
 class _Machine:
@@ -108,3 +109,22 @@ def test_the_draft_worker_computes_on_one_thread_after_torch_set_num_threads() -
         assert worker.call(torch.get_num_threads) == 1
     finally:
         worker.close()
+
+
+def test_one_thread_holds_on_a_thread_torch_has_not_computed_on_yet() -> None:
+    """A caller's thread may meet torch first inside ``one_thread``; torch's own first-use setting
+    must not replace the single thread there."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one core: nothing to choose")
+    seen: list[int] = []
+
+    def fresh_thread() -> None:
+        with one_thread():
+            torch.ones(1 << 20).sum()  # a parallel region
+            seen.append(torch.get_num_threads())
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=fresh_thread)
+    thread.start()
+    thread.join()
+    assert seen == [1, torch.get_num_threads()]

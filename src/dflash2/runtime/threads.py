@@ -68,7 +68,7 @@ class ThreadPolicy:
     every_s: float = 5.0
     margin: float = 0.1  # a new count must be this much faster than the current one
     trials: int = 3  # timings per count; their median counts
-    workload: Callable[[], None] | None = field(default=None, repr=False)  # None: the matrix-vector products
+    workload: Callable[[], None] | None = field(default=None, repr=False)  # None: fixed matrix products
     current: int = field(init=False)
     _next_s: float = field(default=0.0, init=False)
 

@@ -69,19 +69,15 @@ class _OpenMP:
         try:
             lib = ctypes.CDLL(None)
             self._set_threads: Any = lib.omp_set_num_threads
-            self._get_threads: Any = lib.omp_get_max_threads
             self._pause: Any = lib.omp_pause_resource_all
         except (OSError, AttributeError):  # no OpenMP in this build: nothing to tune
-            self._set_threads = self._get_threads = self._pause = None
+            self._set_threads = self._pause = None
 
     def set_threads(self, count: int) -> None:
         """Threads of the calling thread's parallel regions (its own setting: other threads keep theirs)."""
         if self._set_threads is not None:
+            torch.get_num_threads()  # torch sets a thread's count at its first use there: let it, then set ours
             self._set_threads(count)
-
-    def threads(self) -> int | None:
-        """Threads of the calling thread's parallel regions (``None`` without OpenMP)."""
-        return int(self._get_threads()) if self._get_threads is not None else None
 
     def release(self) -> None:
         """Stop the calling thread's idle OpenMP team threads; the next parallel region starts a new team."""
@@ -101,8 +97,8 @@ def release_thread_pool() -> None:
 def one_thread() -> Iterator[None]:
     """Run the block's tensor work on the calling thread alone: a thread that is not a compute
     worker (an event loop's, a caller's) must not start an OpenMP team (see ``_OpenMP``)."""
-    before = _OMP.threads()
-    if before is None or before == 1:
+    before = torch.get_num_threads()
+    if before == 1:
         yield
         return
     _OMP.set_threads(1)
@@ -239,7 +235,6 @@ def _serve(lane: _Lane, device: torch.device, threads: int | None, policy: Threa
     except Exception as err:  # every job gets this error instead of waiting for a thread that cannot run it
         stream, broken = None, err
     if threads is not None:
-        torch.get_num_threads()  # torch sets a new thread's count at its first use: let it, then set ours
         _OMP.set_threads(threads)
     while (job := lane.jobs.get()) is not None:
         lane.current = job
