@@ -355,7 +355,7 @@ def test_resident_steps_follow_scripted_acceptance(paths: dict[str, Path], refer
     truth = references[PROMPTS[0]]
     script = [3, 0, 5, 2, 1, 4, 5, 5]
     drafter = ResidentScripted(truth, script)
-    model = resident_model(paths, drafter)
+    model = full_blocks(resident_model(paths, drafter))  # the first step too drafts the whole block
     completion = model.generate(PROMPTS[0], max_new_tokens=48)
     assert list(completion.token_ids) == truth
     lengths = completion.stats.acceptance_lengths
