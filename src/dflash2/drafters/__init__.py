@@ -21,6 +21,7 @@ from dflash2.drafters.hybrid import HybridDrafter
 from dflash2.drafters.ngram import NGramDrafter
 from dflash2.drafters.vocabulary import read_draft_vocab
 from dflash2.errors import DrafterError, InvalidOptionError, TokenizerMismatchError
+from dflash2.runtime import twin
 from dflash2.runtime.loader import (
     load_decoder,
     load_safetensors,
@@ -89,6 +90,7 @@ def load_drafter(
         return dflash
     draft_model = load_decoder(checkpoint, target.dtype, target.device)
     check_same_tokenizer(tokenizer, load_tokenizer(checkpoint))
+    copies = twin.halves(draft_model) if weights == "auto" and twin.bf16_pays(draft_model, fmt) else None
     quantize_linears(draft_model, fmt)
     return AutoregressiveDrafter(
         draft_model,
@@ -96,6 +98,7 @@ def load_drafter(
         block_size=block_size or AutoregressiveDrafter.default_block_size,
         name=name,
         vocab=read_draft_vocab(checkpoint),
+        prefill=twin.assemble(draft_model, copies) if copies is not None else None,
     )
 
 
@@ -103,6 +106,9 @@ def draft_weights(weights: str, device: object) -> WeightFormat:
     """The weight format a model drafter runs in: ``weights`` itself, or for ``"auto"`` the
     cheapest that keeps a drafter's agreement: int4 on the CPU (``"bf16"`` where the int4 kernel
     is missing), and on other devices the target's own precision (``"same"``: no conversion).
+    Under ``"auto"`` an autoregressive drafter on a CPU that multiplies bf16 faster than the int4
+    kernel over many rows also keeps a bf16 copy of its projections for prefills
+    (:mod:`dflash2.runtime.twin`).
 
     A drafter's precision only changes how often its tokens are accepted, never the output.
     DFlash drafters keep the target's precision under ``"auto"`` (their cost is the shared LM head).

@@ -2,7 +2,8 @@
 
 It runs on the same runtime as the target, with its own KV cache per request, in whatever
 weights it was loaded with (int4 by default on the CPU: its precision changes how often its
-tokens are accepted, never the output). Under sampling each draft token is sampled from the
+tokens are accepted, never the output), forwards over many tokens (the prompt) on a bf16 twin
+where one was built (``runtime.twin``). Under sampling each draft token is sampled from the
 drafter's distribution after the request's temperature / top-k / top-p transform, and that
 distribution travels with the draft for lossless acceptance. After each token the session asks
 the engine whether another one pays (``DraftContext.keep_drafting``), telling it how sure the
@@ -26,6 +27,7 @@ from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.linear import Linear
 from dflash2.runtime.model import Decoder
 from dflash2.runtime.quant import INT4_ROWS, format_of, quantize_linear
+from dflash2.runtime.twin import TWIN_ROWS
 from dflash2.sampling import probabilities, sample
 from dflash2.tokenize import common_prefix
 
@@ -52,6 +54,7 @@ class AutoregressiveDrafter:
         block_size: int = default_block_size,
         name: str = "autoregressive",
         vocab: torch.Tensor | None = None,
+        prefill: Decoder | None = None,
     ) -> None:
         if not isinstance(block_size, int) or not 2 <= block_size <= 64:
             raise InvalidOptionError(f"block_size must be an int in [2, 64], got {block_size!r}.")
@@ -62,6 +65,7 @@ class AutoregressiveDrafter:
         self.steps: DecoderPool | None = None
         self.vocab: torch.Tensor | None = None  # sorted token ids it drafts (None: all)
         self.head: torch.nn.Module | None = None  # the LM head's rows of those ids, in its format
+        self.prefill = prefill  # computes forwards of TWIN_ROWS tokens or more (runtime.twin), or None
         if vocab is not None:
             self.vocab = check_vocab(vocab, min(target_vocab_size, model.spec.vocab_size)).to(model.device)
             self.head = _head_over(model, self.vocab)
@@ -157,15 +161,16 @@ class AutoregressiveSession:
         assert self._cache is not None
         ids = torch.tensor(tokens, device=self._model.device)
         vocab, head = self._d.vocab, self._d.head
+        model = self._d.prefill if self._d.prefill is not None and len(tokens) >= TWIN_ROWS else self._model
         if self._slot is not None and len(tokens) <= MAX_BUCKET:
             last = self._slot.forward(ids)[0][-1]
             last = last if vocab is None else last[vocab]
         elif head is not None and vocab is not None:  # the final hidden state through the vocabulary's head
-            out = self._model(ids[None], self._cache, logits="none", capture=(self._model.spec.num_layers - 1,))
+            out = model(ids[None], self._cache, logits="none", capture=(model.spec.num_layers - 1,))
             assert out.hidden is not None
             last = head(out.hidden[0, -1:])[0, : len(vocab)]
         else:
-            logits = self._model(ids[None], self._cache, logits="last").logits
+            logits = model(ids[None], self._cache, logits="last").logits
             assert logits is not None
             last = logits[0, -1]
         self._cached.extend(tokens)
