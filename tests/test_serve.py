@@ -35,7 +35,8 @@ def _free_port() -> int:
 def server(paths: dict[str, Path]) -> Iterator[str]:
     port = _free_port()
     command = [sys.executable, "-m", "dflash2.cli", "serve", str(paths["target"]), "--drafter", "ngram",
-               "--name", NAME, "--port", str(port), "--max-tokens", "64", "--log-level", "warning"]  # fmt: skip
+               "--name", NAME, "--port", str(port), "--max-tokens", "64", "--log-level", "warning",
+               "--threads", "2"]  # fmt: skip
     process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:

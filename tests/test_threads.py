@@ -13,6 +13,7 @@ from tiny import SPEC_PROMPTS
 
 import dflash2
 from dflash2 import InvalidOptionError
+from dflash2.cli import build_parser
 from dflash2.runtime.threads import ThreadPolicy, available_cores
 from dflash2.runtime.workers import Worker, one_thread
 
@@ -86,6 +87,16 @@ def test_the_verify_worker_runs_jobs_at_the_measured_count() -> None:
 def test_bad_threads_fail_before_loading(threads: Any) -> None:
     with pytest.raises(InvalidOptionError, match="threads must be"):
         dflash2.load("/nonexistent/model", threads=threads)
+
+
+def test_the_cli_takes_a_thread_count(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    assert parser.parse_args(["serve", "m"]).threads == "auto"
+    assert parser.parse_args(["serve", "m", "--threads", "2"]).threads == 2
+    assert parser.parse_args(["generate", "m", "p", "--threads", "1"]).threads == 1
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "m", "--threads", "many"])
+    assert "expected 'auto' or a number of threads, not 'many'" in capsys.readouterr().err
 
 
 def test_a_fixed_thread_count_runs_every_step_on_it(paths: dict[str, Path], references: dict[str, list[int]]) -> None:

@@ -11,6 +11,7 @@ import anyio
 
 from dflash2.api import Model, load
 from dflash2.errors import DFlash2Error, MissingDependencyError
+from dflash2.runtime.threads import Threads
 from dflash2.stream import Completion
 
 DEMO_QUESTION = (
@@ -80,7 +81,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    model = load(args.model, device=args.device, dtype=args.dtype, weights=args.weights)
+    model = load(args.model, device=args.device, dtype=args.dtype, weights=args.weights, threads=args.threads)
     prompt: Any = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     options = {
         "max_new_tokens": args.max_new_tokens,
@@ -165,7 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     limits = Limits(args.max_tokens, args.max_body_bytes, args.strict_model_name)  # checked before the load
     model = load(
         args.model, drafter=drafter, device=args.device, dtype=args.dtype, weights=args.weights,
-        max_batch=args.max_batch, prefix_cache=args.prefix_cache,
+        max_batch=args.max_batch, prefix_cache=args.prefix_cache, threads=args.threads,
     )  # fmt: skip
     app = create_app(model, args.name, limits)
     print(f"serving {args.name or model.checkpoint.name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
@@ -181,6 +182,17 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
 
 
 WEIGHTS_HELP = "the target's weights: same (as --dtype), int8 or int4 (weight-only, CPU)"
+THREADS_HELP = "CPU threads a forward computes on: a number, or auto (measured: fewer while other processes are busy)"
+
+
+def _threads(value: str) -> Threads:
+    """``--threads``: ``auto`` or a count (``load`` checks its range)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of threads, not {value!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="auto")
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--weights", default="same", help=WEIGHTS_HELP)
+    gen.add_argument("--threads", type=_threads, default="auto", help=THREADS_HELP)
     gen.set_defaults(func=cmd_generate)
 
     from dflash2.bench.run import add_arguments
@@ -299,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="refuse requests naming another model (404); by default any name gets the served model",
     )
     serve.add_argument("--weights", default="same", help=WEIGHTS_HELP)
+    serve.add_argument("--threads", type=_threads, default="auto", help=THREADS_HELP)
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens allowed (and the default)")
