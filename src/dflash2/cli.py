@@ -188,7 +188,7 @@ THREADS_HELP = "CPU threads a forward computes on: a number, or auto (measured: 
 def _threads(value: str) -> Threads:
     """``--threads``: ``auto`` or a count (``load`` checks its range)."""
     if value == "auto":
-        return value
+        return "auto"
     try:
         return int(value)
     except ValueError:
