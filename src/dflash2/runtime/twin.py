@@ -32,14 +32,18 @@ _MARGIN = 0.8  # the twin is built where bf16 takes at most this share of the qu
 Halves = dict[str, HalfLinear]
 
 
-def _projections(model: Decoder) -> dict[str, Linear]:
-    """The attention and (dense) MLP projections of every layer, by name."""
-    found: dict[str, Linear] = {}
+def _projections(model: Decoder) -> dict[str, tuple[torch.nn.Module, str]]:
+    """Where the attention and (dense) MLP projections of every layer sit: name -> (parent, attribute)."""
+    found: dict[str, tuple[torch.nn.Module, str]] = {}
     for i, layer in enumerate(_layers(model)):
-        found[f"{i}.qkv"], found[f"{i}.o"] = layer.attn.qkv, layer.attn.o
+        found[f"{i}.qkv"], found[f"{i}.o"] = (layer.attn, "qkv"), (layer.attn, "o")
         if isinstance(layer.mlp, MLP):
-            found[f"{i}.gate_up"], found[f"{i}.down"] = layer.mlp.gate_up, layer.mlp.down
+            found[f"{i}.gate_up"], found[f"{i}.down"] = (layer.mlp, "gate_up"), (layer.mlp, "down")
     return found
+
+
+def _linears(model: Decoder) -> dict[str, Linear]:
+    return {name: getattr(parent, attr) for name, (parent, attr) in _projections(model).items()}
 
 
 def _layers(model: Decoder) -> list[DecoderLayer]:
@@ -51,7 +55,7 @@ def bf16_pays(model: Decoder, fmt: WeightFormat) -> bool:
     the model's largest projection, before it is quantized: ``model`` holds plain weights)."""
     if model.device.type != "cpu" or fmt not in ("int8", "int4"):
         return False
-    largest = max(_projections(model).values(), key=lambda layer: layer.weight.numel(), default=None)
+    largest = max(_linears(model).values(), key=lambda layer: layer.weight.numel(), default=None)
     if largest is None or largest.weight.numel() < _SMALLEST:
         return False
     half, quantized = HalfLinear(largest.weight, None), quantize_linear(largest, fmt)
@@ -72,7 +76,7 @@ def _fastest(layer: torch.nn.Module, rows: torch.Tensor, runs: int = 3) -> float
 
 def halves(model: Decoder) -> Halves:
     """bf16 copies of ``model``'s projections; take them before it is quantized (from its loaded weights)."""
-    return {name: HalfLinear(layer.weight, layer.bias) for name, layer in _projections(model).items()}
+    return {name: HalfLinear(layer.weight, layer.bias) for name, layer in _linears(model).items()}
 
 
 def assemble(model: Decoder, copies: Halves) -> Decoder:
@@ -80,15 +84,12 @@ def assemble(model: Decoder, copies: Halves) -> Decoder:
     with torch.device("meta"):
         twin = Decoder(model.spec, model.dtype)
     twin.embed_tokens, twin.lm_head, twin.rope, twin.norm = model.embed_tokens, model.lm_head, model.rope, model.norm
-    for i, (mine, theirs) in enumerate(zip(_layers(twin), _layers(model), strict=True)):
+    for mine, theirs in zip(_layers(twin), _layers(model), strict=True):
         mine.attn_norm, mine.mlp_norm = theirs.attn_norm, theirs.mlp_norm
         mine.attn.q_norm, mine.attn.k_norm = theirs.attn.q_norm, theirs.attn.k_norm
-        for name in ("qkv", "o"):
-            setattr(mine.attn, name, copies[f"{i}.{name}"])
-        if isinstance(theirs.mlp, MLP):
-            for name in ("gate_up", "down"):
-                setattr(mine.mlp, name, copies[f"{i}.{name}"])
-        else:
-            mine.mlp = theirs.mlp
+        if not isinstance(theirs.mlp, MLP):
+            mine.mlp = theirs.mlp  # a mixture of experts runs as it is
+    for name, (parent, attr) in _projections(twin).items():
+        setattr(parent, attr, copies[name])
     twin.weights = model.weights
     return twin.eval().requires_grad_(False)
