@@ -23,6 +23,7 @@ from dflash2.runtime.quant import (
     quantize_int4,
     quantize_int8,
     quantize_linears,
+    weight_of,
 )
 
 FORMATS = ("bf16", "int8", "int4")
@@ -45,17 +46,52 @@ def test_int4_groups_are_affine_grids() -> None:
     assert bool((error <= scale[..., None] / 2 * (1 + 1e-5)).all())  # the nearest point of the grid
 
 
-def test_a_gguf_q4k_grid_requantizes_onto_itself() -> None:
-    """A Q4_K sub-block holds d * sc * q - dmin * m, q in 0..15: the same affine grid as int4."""
-    torch.manual_seed(1)
-    q = torch.randint(0, 16, (16, 64))
-    q[:, ::GROUP] = 0  # every sub-block reaches both ends of its grid, as almost all do
-    q[:, 1::GROUP] = 15
-    step = torch.rand(16, 64 // GROUP) * 0.01 + 1e-3
-    low = -torch.rand(16, 64 // GROUP) * 0.05
-    w = (q.reshape(16, -1, GROUP) * step[..., None] + low[..., None]).reshape(16, 64)
-    back = dequantize_int4(*quantize_int4(w))
-    assert torch.allclose(back, w, atol=1e-6)
+def _gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """A [rows, cols] weight as GGUF's own dequantizer reads random blocks of ``kind`` (every bit
+    pattern is a valid block once its fp16 scales are sane)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[kind]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scales = rng.uniform(1e-4, 3e-3, (rows, cols // block, 2)).astype(np.float16).view(np.uint8)
+    if kind == "Q4_K":  # d and dmin lead the block
+        raw[..., :4] = scales.reshape(rows, cols // block, 4)
+    else:  # Q6_K: d ends it; Q8_0: d leads it
+        at = size - 2 if kind == "Q6_K" else 0
+        raw[..., at : at + 2] = scales[..., :2]
+    return torch.from_numpy(quants.dequantize(raw.reshape(rows, -1), qtype).copy())
+
+
+def test_gguf_q4k_blocks_are_held_on_their_own_grids() -> None:
+    """A Q4_K sub-block holds d * sc * q - dmin * m, q in 0..15: int4's affine group holds it
+    exactly, also where the sub-block leaves q = 0 or q = 15 unused (the min-to-max grid would not)."""
+    w = _gguf_blocks("Q4_K", 32, 512)
+    groups = w.reshape(32, -1, GROUP)
+    span = groups.amax(-1) - groups.amin(-1)
+    q, scale, zero = quantize_int4(w)
+    assert bool((scale[span > 0] > span[span > 0] / 15 * (1 + 1e-4)).any())  # some leave an end unused
+    back = dequantize_int4(q, scale, zero)
+    assert torch.allclose(back, w, rtol=0, atol=1e-6 * float(w.abs().max()))
+    # the kernel keeps scale and zero in bf16 (8 bits of mantissa) and so is its product, here
+    # the weight itself: each value within those roundings
+    kernel = QuantLinear(w, None, "int4")
+    bound = ((8 * scale.abs() + zero.abs())[..., None] + w.abs().reshape(32, -1, GROUP)) * 2**-8
+    error = (weight_of(kernel) - w).abs().reshape(32, -1, GROUP)
+    assert bool((error <= bound).all())
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q8_0"])
+def test_finer_gguf_blocks_requantize_to_the_nearest_int4_grid(kind: str) -> None:
+    """Q6_K (64 levels) and Q8_0 (256) do not fit 16 points: each group goes onto its min-to-max grid."""
+    w = _gguf_blocks(kind, 16, 256, seed=1)
+    q, scale, zero = quantize_int4(w)
+    groups = w.reshape(16, -1, GROUP)
+    assert torch.allclose(scale, (groups.amax(-1) - groups.amin(-1)) / 15)
+    error = (dequantize_int4(q, scale, zero) - w).abs().reshape(16, -1, GROUP)
+    assert bool((error <= scale[..., None] / 2 * (1 + 1e-5)).all())
 
 
 def test_int8_is_symmetric_per_channel() -> None:

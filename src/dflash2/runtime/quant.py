@@ -9,8 +9,8 @@ with bfloat16 activations, so a quantized model computes in bfloat16 between its
 
 - ``int8``: ``w ≈ q * scale``, q in [-127, 127], one scale per output channel.
 - ``int4``: ``w ≈ (q - 8) * scale + zero``, q in [0, 15], one (scale, zero) per ``GROUP`` inputs of
-  an output channel: an affine group, the form of GGUF's Q4_K sub-blocks, so a Q4_K weight
-  requantizes onto the same grid up to rounding.
+  an output channel: an affine group, the form of GGUF's Q4_0 / Q4_1 / Q4_K blocks, so such a
+  weight (dequantized at load) is held on its own grid, exactly up to the bf16 scale and zero.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ WeightFormat = Literal["same", "bf16", "int8", "int4"]  # "same": as loaded, no 
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("same", "bf16", "int8", "int4")
 GROUP = 32  # int4 inputs per (scale, zero): GGUF's Q4_K sub-block
 INT4_ROWS = 16  # the CPU int4 layout packs output channels in sixteens
+CHUNK_ROWS = 4096  # output channels quantized at once
+SAMPLE_ROWS = 16  # whose groups tell whether a weight lies on int4 grids (a GGUF Q4 tensor dequantized)
+LEVEL_TOLERANCE = 1e-3  # values this close to a grid point (in steps) lie on it: fp32 rounding is far below
 
 
 def check_weight_format(fmt: object, option: str) -> WeightFormat:
@@ -71,13 +74,49 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_int4(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q [N, K] in 0..15, scale [N, K / group], zero [N, K / group])``, fp32 scales, with
-    ``(q - 8) * scale + zero`` the group's min-to-max affine grid nearest to ``weight``."""
-    n, k = weight.shape
-    w = weight.float().reshape(n, k // group, group)
-    low, high = w.amin(dim=-1), w.amax(dim=-1)
-    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15)
-    return q.reshape(n, k).to(torch.int32), scale, low + 8 * scale
+    ``(q - 8) * scale + zero`` the group's affine grid nearest to ``weight``: the grid its groups
+    already lie on where they do (:func:`grid_steps`), else the one from each group's min to max."""
+    k = weight.shape[1]
+    sample = weight[:SAMPLE_ROWS].float().reshape(-1, k // group, group)
+    low, high = sample.amin(dim=-1), sample.amax(dim=-1)
+    fits, flat = grid_steps(sample, low, high) > 0, low == high
+    on_grids = bool(fits.any() and (fits | flat).all())
+    q, scales, zeros = [], [], []
+    for rows in torch.split(weight, CHUNK_ROWS):  # bounds the temporaries on a large LM head
+        w = rows.float().reshape(len(rows), k // group, group)
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        scale = (high - low) / 15
+        if on_grids:
+            step = grid_steps(w, low, high)
+            scale = torch.where(step > 0, step, scale)
+        scale = scale.clamp_min(torch.finfo(torch.float32).tiny)
+        q.append(torch.round((w - low[..., None]) / scale[..., None]).clamp_(0, 15).reshape(len(rows), k))
+        scales.append(scale)
+        zeros.append(low + 8 * scale)
+    return torch.cat(q).to(torch.int32), torch.cat(scales), torch.cat(zeros)
+
+
+def grid_steps(w: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """For each group of ``w`` [..., size] (its least and greatest values ``low``, ``high``), the
+    step of an evenly spaced grid of at most 16 points from ``low`` that holds every value up to
+    fp32 rounding, or 0 where there is none.
+
+    A GGUF Q4_0 / Q4_1 / Q4_K block dequantized is such a grid (``d * sc * q - dmin * m``, q in
+    0..15), but an optimised Q4_K sub-block often leaves its top or bottom points unused, so the
+    grid from its min to its max would be finer and miss its values; on its own grid int4 holds
+    them exactly (up to the kernel's bf16 scale and zero).
+    """
+    span = high - low
+    found = torch.zeros_like(span)
+    for points in range(15, 0, -1):  # intervals between the least and greatest value
+        pending = ((found == 0) & (span > 0)).nonzero(as_tuple=True)
+        if len(pending[0]) == 0:
+            break
+        step = span[pending] / points
+        level = (w[pending] - low[pending][..., None]) / step[..., None]
+        fits = ((level - torch.round(level)).abs() <= LEVEL_TOLERANCE).all(dim=-1)
+        found[pending] = torch.where(fits, step, 0.0)
+    return found
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int = GROUP) -> torch.Tensor:
