@@ -118,7 +118,9 @@ def test_gguf_is_converted_once_then_cached(smollm2_gguf: Path, smollm2: dflash2
     stamp = weights.stat().st_mtime_ns
     assert resolve_checkpoint(smollm2_gguf) == converted
     assert weights.stat().st_mtime_ns == stamp
-    assert "quantization_config" not in json.loads((converted / "config.json").read_text())
+    config = json.loads((converted / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["architectures"] == ["LlamaForCausalLM"]  # other tools (llama.cpp's converter) need it
     assert smollm2.target.spec.num_layers == 30
 
 

@@ -118,6 +118,9 @@ def _snapshot(repo_id: str) -> Path:
 
 
 # ---------------------------------------------------------------- GGUF
+GGUF_CONVERSION = 2  # raised when a conversion writes its folder differently (2: config.json names the architecture)
+
+
 def gguf_to_safetensors(gguf: Path) -> Path:
     """Dequantize a GGUF file once; return the cached safetensors directory.
 
@@ -171,13 +174,15 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     data = config.to_dict()
     data.pop("quantization_config", None)
+    data["architectures"] = [type(model).__name__]  # what other tools (converters, servers) read the folder by
     (out / "config.json").write_text(json.dumps(data, indent=2))
     tokenizer.save_pretrained(out)
 
 
 def _file_fingerprint(path: Path, chunk: int = 1 << 20) -> str:
-    """Hash of the size and the first and last MiB: cheap, and changes when the file does."""
-    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    """Hash of the conversion's version, the size and the first and last MiB: cheap, and changes
+    when the file or what a conversion writes does."""
+    digest = hashlib.sha256(f"{GGUF_CONVERSION}:{path.stat().st_size}".encode())
     with path.open("rb") as f:
         digest.update(f.read(chunk))
         f.seek(max(0, path.stat().st_size - chunk))
