@@ -289,3 +289,13 @@ def test_conversation(tmp_path: Path) -> None:
     assert all(t["new_prefill_s"] > 0 for t in warm)
     rows = [r for r in _table_rows(_section(doc, "conversation")) if r[0] != "configuration"]
     assert len(rows) == 8 and all(len(r) == 7 for r in rows)
+
+
+def test_llama_cpp_dflash_needs_the_converted_drafter(tmp_path: Path) -> None:
+    from dflash2.bench.run import _llama_cpp_runner
+
+    (tmp_path / "llama-server").write_text("")
+    with pytest.raises(SystemExit, match="--llama-cpp-dflash"):
+        _llama_cpp_runner("llama.cpp-dflash", tmp_path, tmp_path / "target.gguf", None)
+    with pytest.raises(SystemExit, match="--llama-cpp-dflash"):
+        _llama_cpp_runner("llama.cpp-dflash", tmp_path, tmp_path / "target.gguf", tmp_path / "missing.gguf")

@@ -63,8 +63,9 @@ from dflash2.runtime.workers import release_thread_pool
 from dflash2.tokenize import encode_prompt
 
 PEERS = ("transformers", "transformers-prompt-lookup", "transformers-assisted")
-# llama.cpp's server on the GGUF files themselves (--llama-cpp): plain, the --ar-drafter GGUF drafting, n-gram
-LLAMA_CPP = ("llama.cpp", "llama.cpp-speculative", "llama.cpp-ngram")
+# llama.cpp's server on the GGUF files themselves (--llama-cpp): plain, the --ar-drafter GGUF drafting, n-gram,
+# and the --dflash-drafter as llama.cpp's converter wrote it (--llama-cpp-dflash)
+LLAMA_CPP = ("llama.cpp", "llama.cpp-speculative", "llama.cpp-ngram", "llama.cpp-dflash")
 DRAFTED = ("ngram", "ar", "dflash", "hybrid")  # hybrid: prompt lookup first, the DFlash (or AR) drafter otherwise
 PIPELINE_NAMES = ("sync", "async")
 # "-fixed": every step drafts as far as the block allows (no draft-length policy), as before it existed
@@ -97,7 +98,7 @@ def build_runners(
 ) -> list[Runner]:
     """One runner per configuration; drafter-backed ones share the target's weights. ``llama_cpp``:
     the folder of llama.cpp's binaries; its runners read the GGUF files ``gguf`` (the target) and
-    ``drafters["ar"]``."""
+    ``drafters["ar"]`` (or ``drafters["llama.cpp-dflash"]``)."""
     runners: list[Runner] = []
     hf: Any = None
     with_drafter: dict[str, Model] = {}
@@ -105,7 +106,8 @@ def build_runners(
         if name not in CONFIGS:
             raise SystemExit(f"unknown configuration {name!r}; choose from {', '.join(CONFIGS)}")
         if name in LLAMA_CPP:
-            runners.append(_llama_cpp_runner(name, llama_cpp, gguf, drafters.get("ar")))
+            drafter = drafters.get("llama.cpp-dflash" if name == "llama.cpp-dflash" else "ar")
+            runners.append(_llama_cpp_runner(name, llama_cpp, gguf, drafter))
         elif name.startswith("transformers"):
             hf = hf if hf is not None else _hf_model(model.checkpoint, model.dtype)
             worker = model.workers.verify
@@ -150,6 +152,10 @@ def _llama_cpp_runner(name: str, folder: Path | None, target: Path | None, draft
         extra = ["--spec-type", "draft-simple", "-md", str(drafter)]
     elif name == "llama.cpp-ngram":
         extra = ["--spec-type", "ngram-simple"]
+    elif name == "llama.cpp-dflash":
+        if drafter is None or not Path(drafter).is_file():
+            raise SystemExit(f"{name} needs --llama-cpp-dflash, the DFlash drafter as llama.cpp's converter wrote it")
+        extra = ["--spec-type", "draft-dflash", "-md", str(drafter)]
     return LlamaServerRunner(folder / "llama-server", target, name, torch.get_num_threads(), extra)
 
 
@@ -177,6 +183,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--llama-cpp", type=Path, default=None, help="folder of llama.cpp's binaries (llama-server)")
     parser.add_argument("--dflash-drafter", default=None, help="DFlash / DFlash2 drafter (z-lab format)")
+    parser.add_argument(
+        "--llama-cpp-dflash", type=Path, default=None,
+        help="that drafter as a GGUF by llama.cpp's convert_hf_to_gguf.py --target-model-dir (llama.cpp-dflash)",
+    )  # fmt: skip
     parser.add_argument("--ngram-block-size", type=int, default=None)
     parser.add_argument("--ar-block-size", type=int, default=None)
     parser.add_argument("--dflash-block-size", type=int, default=None)
@@ -233,6 +243,7 @@ def main(args: argparse.Namespace) -> list[Row]:
     # every prompt prefilled anew, as in every peer
     model = load(source, device="cpu", weights=args.weights, prefix_cache=0)
     drafters = {"ngram": "ngram", "ar": _model_path(args.ar_drafter), "dflash": args.dflash_drafter}
+    drafters["llama.cpp-dflash"] = args.llama_cpp_dflash
     # the hybrid: prompt lookup first, then the DFlash drafter (or else the small LM)
     model_drafter, model_kind = (drafters["dflash"], "dflash") if args.dflash_drafter else (drafters["ar"], "ar")
     drafters["hybrid"] = ["ngram", model_drafter] if model_drafter else None
@@ -537,10 +548,11 @@ def _limit_sentence(model: Model, settings: dict[str, Any]) -> str:
 
 
 SHOWN = ("model", "datasets", "limit", "max_new_tokens")  # in every command, even at their defaults
+PLACEHOLDERS = {"llama_cpp": "LLAMA_CPP_BIN", "llama_cpp_dflash": "DFLASH_GGUF"}  # paths of this machine
 
 
 def _command(args: argparse.Namespace) -> str:
-    """The ``dflash2 bench`` command line that repeats this run (llama.cpp's folder left as a placeholder)."""
+    """The ``dflash2 bench`` command line that repeats this run (llama.cpp's files left as placeholders)."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     words = ["dflash2 bench"]
@@ -548,5 +560,5 @@ def _command(args: argparse.Namespace) -> str:
         value = getattr(args, key)
         if key == "no_progress" or value is None or (value == default and key not in SHOWN):
             continue
-        words.append(f"--{key.replace('_', '-')} {'LLAMA_CPP_BIN' if key == 'llama_cpp' else value}")
+        words.append(f"--{key.replace('_', '-')} {PLACEHOLDERS.get(key, value)}")
     return " ".join(words)
