@@ -124,6 +124,20 @@ def test_gguf_is_converted_once_then_cached(smollm2_gguf: Path, smollm2: dflash2
     assert smollm2.target.spec.num_layers == 30
 
 
+@pytest.mark.smollm2
+def test_a_folder_converted_without_its_architecture_gets_it(smollm2_gguf: Path, smollm2: dflash2.Model) -> None:
+    """Folders converted before the architecture was written are mended in place, not converted again."""
+    converted = resolve_checkpoint(smollm2_gguf)
+    config = converted / "config.json"
+    data = json.loads(config.read_text())
+    config.write_text(json.dumps({**data, "architectures": None}))
+    stamp = (converted / "model.safetensors").stat().st_mtime_ns
+    assert resolve_checkpoint(smollm2_gguf) == converted
+    assert json.loads(config.read_text()) == data
+    assert (converted / "model.safetensors").stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in converted.iterdir() if p.name.startswith(".")) == []
+
+
 CONVERT = """
 import sys
 from dflash2.runtime.loader import gguf_to_safetensors

@@ -118,9 +118,6 @@ def _snapshot(repo_id: str) -> Path:
 
 
 # ---------------------------------------------------------------- GGUF
-GGUF_CONVERSION = 2  # raised when a conversion writes its folder differently (2: config.json names the architecture)
-
-
 def gguf_to_safetensors(gguf: Path) -> Path:
     """Dequantize a GGUF file once; return the cached safetensors directory.
 
@@ -130,6 +127,7 @@ def gguf_to_safetensors(gguf: Path) -> Path:
     """
     target = cache_dir() / "gguf" / f"{gguf.stem}-{_file_fingerprint(gguf)}"
     if (target / "config.json").is_file():
+        _name_architecture(target)
         return target
     cache_folder("gguf")
     try:
@@ -174,15 +172,31 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     data = config.to_dict()
     data.pop("quantization_config", None)
-    data["architectures"] = [type(model).__name__]  # what other tools (converters, servers) read the folder by
+    data["architectures"] = [type(model).__name__]
     (out / "config.json").write_text(json.dumps(data, indent=2))
     tokenizer.save_pretrained(out)
 
 
+def _name_architecture(folder: Path) -> None:
+    """Name the model class in a converted folder's config.json where an older conversion left it
+    out (transformers leaves ``architectures`` empty after reading a GGUF): other tools, such as
+    llama.cpp's converter, read the folder by it. Rewritten atomically; the weights stay."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = folder / "config.json"
+    data = json.loads(config.read_text())
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(data.get("model_type", ""))
+    if data.get("architectures") or name is None:
+        return
+    data["architectures"] = [name]
+    tmp = folder / f".config-{os.getpid()}.json"
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, config)
+
+
 def _file_fingerprint(path: Path, chunk: int = 1 << 20) -> str:
-    """Hash of the conversion's version, the size and the first and last MiB: cheap, and changes
-    when the file or what a conversion writes does."""
-    digest = hashlib.sha256(f"{GGUF_CONVERSION}:{path.stat().st_size}".encode())
+    """Hash of the size and the first and last MiB: cheap, and changes when the file does."""
+    digest = hashlib.sha256(str(path.stat().st_size).encode())
     with path.open("rb") as f:
         digest.update(f.read(chunk))
         f.seek(max(0, path.stat().st_size - chunk))
