@@ -323,7 +323,12 @@ def test_packed_forward_equals_one_sequence_at_a_time(target: Path) -> None:
     alone = [with_features(model, [seq], (0, 1))[0] for seq in bare]
     together = with_features(model, bare, (0, 1))
     for one, many in zip(alone, together, strict=True):
-        assert torch.allclose(one.features, many.features, atol=1e-5) and torch.equal(one.greedy, many.greedy)
+        # a product's summation order may follow how many rows it holds (the BLAS picks its kernel by
+        # shape): equal within a few float32 ulps of the largest feature, which padding leaking into
+        # a sequence would exceed by orders of magnitude
+        ulps = 8 * torch.finfo(torch.float32).eps * float(one.features.abs().max())
+        assert torch.allclose(one.features, many.features, rtol=0, atol=ulps)
+        assert torch.equal(one.greedy, many.greedy)
     parts = [layout(seq.ids, torch.tensor([4, 9]), 1, 4, spec.mask_token_id, seq.greedy) for seq in alone]
     with torch.no_grad():
         packed = draft_logits(net, model, batch_of(alone, parts))
