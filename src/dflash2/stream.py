@@ -50,6 +50,7 @@ class Stats:
     overlap: float = 0.0
     bubble: float = 0.0
     predraft_hits: int = 0
+    branch_hits: int = 0  # steps whose target took a side branch (a draft's alternative)
     batch_sizes: tuple[int, ...] = ()  # per step: the streams whose steps ran in that target forward
 
     @property
@@ -98,6 +99,7 @@ class EngineCounters:
     hidden_s: float = 0.0  # drafting that ran while a verification was running
     wait_s: float = 0.0  # verifier idle, waiting for a draft
     predraft_hits: int = 0
+    branch_hits: int = 0  # steps whose target took a side branch (a draft's alternative)
     batch_sizes: list[int] = field(default_factory=list)  # per step: streams in its target forward
 
     @property
@@ -286,6 +288,7 @@ class TokenStream:
             overlap=c.overlap,
             bubble=c.bubble,
             predraft_hits=c.predraft_hits,
+            branch_hits=c.branch_hits,
             drafted_tokens=c.drafted_tokens,
             cached_tokens=c.cached_tokens,
             batch_sizes=tuple(c.batch_sizes),

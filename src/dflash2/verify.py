@@ -9,6 +9,8 @@ after a rejection). The output distribution equals the target's alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from dflash2.config import SamplingConfig
@@ -80,3 +82,19 @@ def accept(
     if sampling.greedy:
         return greedy_accept(draft, target_logits)
     return speculative_sample(draft, draft_probs, probabilities(target_logits, sampling), generator)
+
+
+def branch_hit(accepted: int, drafted: int, token: int, branches: Sequence[tuple[int, int]]) -> int | None:
+    """Greedy decoding with side branches: which branch the target took, if any.
+
+    ``branches`` lists ``(i, t)``: token ``t`` verified as an alternative to draft token ``i``
+    (0-based), seeing the drafts before it. When the first ``accepted`` of ``drafted`` draft
+    tokens were kept and ``token`` (the target's choice) replaces draft ``accepted``, a branch
+    ``(accepted, token)`` already holds that token's forward: its index, else ``None``.
+    """
+    if accepted >= drafted:
+        return None
+    for j, (i, t) in enumerate(branches):
+        if i == accepted and t == token:
+            return j
+    return None

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,12 +69,18 @@ PEERS = ("transformers", "transformers-prompt-lookup", "transformers-assisted")
 LLAMA_CPP = ("llama.cpp", "llama.cpp-speculative", "llama.cpp-ngram", "llama.cpp-dflash")
 DRAFTED = ("ngram", "ar", "dflash", "hybrid")  # hybrid: prompt lookup first, the DFlash (or AR) drafter otherwise
 PIPELINE_NAMES = ("sync", "async")
-# "-fixed": every step drafts as far as the block allows (no draft-length policy), as before it existed
+# "-fixed": every step drafts as far as the block allows (no draft-length policy), as before it existed;
+# "-chain": no side branches (the drafter's alternatives are never verified beside its draft)
+VARIANTS: dict[str, Callable[[], DraftLengthPolicy]] = {
+    "": DraftLengthPolicy,
+    "-fixed": functools.partial(DraftLengthPolicy, mode="fixed"),
+    "-chain": functools.partial(DraftLengthPolicy, branches="off"),
+}
 CONFIGS = (
     *PEERS,
     *LLAMA_CPP,
     "dflash2",
-    *(f"dflash2-{d}-{p}{f}" for d in DRAFTED for p in PIPELINE_NAMES for f in ("", "-fixed")),
+    *(f"dflash2-{d}-{p}{v}" for d in DRAFTED for p in PIPELINE_NAMES for v in VARIANTS),
 )
 DEFAULT_CONFIGS = ("transformers", "transformers-prompt-lookup", "dflash2", "dflash2-ngram-sync", "dflash2-ngram-async")
 
@@ -123,15 +130,15 @@ def build_runners(
         elif name == "dflash2":
             runners.append(DFlash2Runner(model, name))
         else:
-            _, kind, pipeline, *fixed = name.split("-")
+            _, kind, pipeline, *variant = name.split("-")
             if drafters.get(kind) is None:
                 raise SystemExit(f"{name} needs --{'dflash-drafter or --ar' if kind == 'hybrid' else kind}-drafter")
-            key = kind + "-fixed" * bool(fixed)
+            key = "-".join([kind, *variant])
             if key not in with_drafter:
                 with_drafter[key] = model.with_drafter(drafters[kind], block_sizes.get(kind), drafter_weights)
                 with_drafter[key].policy = OverlapPolicy(schedule=schedule)
-                if fixed:
-                    with_drafter[key].lengths = DraftLengthPolicy(mode="fixed")
+                if variant:
+                    with_drafter[key].lengths = VARIANTS["-" + variant[0]]()
             runners.append(DFlash2Runner(with_drafter[key], name, pipeline=pipeline))
     for runner in runners:  # transformers runs the full-precision weights, not a quantized target's
         if isinstance(runner, TransformersRunner):

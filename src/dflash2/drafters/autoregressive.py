@@ -31,6 +31,8 @@ from dflash2.runtime.twin import TWIN_ROWS
 from dflash2.sampling import probabilities, sample
 from dflash2.tokenize import common_prefix
 
+ALTERNATIVES = 2  # next choices per greedy draft token offered for side branches (``Draft.alternatives``)
+
 
 @dataclass(frozen=True)
 class DraftState:
@@ -176,27 +178,33 @@ class AutoregressiveSession:
         self._cached.extend(tokens)
         return last if vocab is not None else self._fit_vocab(last)
 
-    def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+    def _pick(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float, tuple[tuple[int, float], ...]]:
         """The next draft token from ``logits`` (greedy or sampled), its distribution over the
-        target's vocabulary (sampling only) and the drafter's probability of it."""
+        target's vocabulary (sampling only), the drafter's probability of it and, when greedy, its
+        next choices with theirs (see ``Draft.alternatives``)."""
         vocab = self._d.vocab
+        others: tuple[tuple[int, float], ...] = ()
         if self._sampling.greedy:
             column = int(logits.argmax())
-            sure, row = float(torch.softmax(logits.float(), -1)[column]), None
+            probs = torch.softmax(logits.float(), -1)
+            sure, row = float(probs[column]), None
+            best, columns = probs.topk(ALTERNATIVES + 1)
+            others = tuple(
+                (c if vocab is None else int(vocab[c]), p)
+                for p, c in zip(best.tolist(), columns.tolist(), strict=True)
+                if c != column
+            )[:ALTERNATIVES]
         else:
             q = probabilities(logits, self._sampling)
             column = int(sample(q, self._generator))
             sure, row = float(q[column]), q
             if vocab is not None:  # zero outside the drafting vocabulary
                 row = to_full_vocab(q, vocab, self._d.target_vocab_size)
-        return (column if vocab is None else int(vocab[column])), row, sure
+        return (column if vocab is None else int(vocab[column])), row, sure, others
 
-    def _draft_after(
-        self, context: list[int], count: int, stop_early: bool = False
-    ) -> tuple[list[int], list[torch.Tensor], list[float]]:
+    def _draft_after(self, context: list[int], count: int, stop_early: bool = False) -> Draft:
         """Draft up to ``count`` tokens continuing ``context`` (its last token included); with
-        ``stop_early`` fewer when the engine says another token does not pay. Returns the tokens,
-        their distributions (sampling only) and the drafter's probability of each."""
+        ``stop_early`` fewer when the engine says another token does not pay."""
         assert self._cache is not None
         common = common_prefix(self._cached, context, len(context) - 1)  # the last token is fed for logits
         self._cache.rollback(common)
@@ -205,27 +213,26 @@ class AutoregressiveSession:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         sure: list[float] = []
+        others: list[tuple[tuple[int, float], ...]] = []
         keep = self._keep_drafting if stop_early else None
         for i in range(count):
-            token, row, p = self._pick(logits)
+            token, row, p, alternatives = self._pick(logits)
             tokens.append(token)
             sure.append(p)
+            others.append(alternatives)
             if row is not None:
                 rows.append(row)
             if i + 1 == count or (keep is not None and not keep(i + 1, sure[-1])):
                 break
             logits = self._feed([token])
-        return tokens, rows, sure
-
-    @staticmethod
-    def _as_draft(tokens: list[int], rows: list[torch.Tensor], sure: list[float]) -> Draft:
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.stack(rows) if rows else None, tuple(sure))
+        probs = torch.stack(rows) if rows else None
+        return Draft(torch.tensor(tokens, dtype=torch.long), probs, tuple(sure), tuple(others) if any(others) else ())
 
     def propose(self, max_tokens: int) -> Draft:
         k = min(self._d.block_size - 1, max_tokens)
-        tokens, rows, sure = self._draft_after(self._seq, k, stop_early=True) if k > 0 else ([], [], [])
-        self._proposal = tokens
-        return self._as_draft(tokens, rows, sure)
+        draft = self._draft_after(self._seq, k, stop_early=True) if k > 0 else Draft(torch.zeros(0, dtype=torch.long))
+        self._proposal = draft.tokens.tolist()
+        return draft
 
     def can_predraft(self) -> bool:
         return bool(self._proposal)
@@ -237,11 +244,11 @@ class AutoregressiveSession:
             return None
         hypothesis = self._seq + self._proposal
         guess = self._draft_after(hypothesis, 1) if self._sampling.greedy else self._greedy_guess(hypothesis)
-        tokens, rows, sure = self._draft_after([*hypothesis, guess[0][0]], k)
-        self._pre = PreDraft(guess[0][0], self._as_draft(tokens, rows, sure))
+        bonus = int(guess.tokens[0])
+        self._pre = PreDraft(bonus, self._draft_after([*hypothesis, bonus], k))
         return self._pre
 
-    def _greedy_guess(self, context: list[int]) -> tuple[list[int], list[torch.Tensor], list[float]]:
+    def _greedy_guess(self, context: list[int]) -> Draft:
         """Under sampling the bonus is drawn from the target; guess its most likely value."""
         saved, self._sampling = self._sampling, SamplingConfig()
         try:

@@ -26,12 +26,15 @@ class Draft:
     (after the request's temperature / top-k / top-p), or ``None`` for a deterministic draft
     (greedy decoding, n-gram lookup). ``confidence``: the drafter's probability of each token,
     where it knows one (the draft-length policy learns how often tokens of each confidence are
-    accepted).
+    accepted). ``alternatives``: per draft token, the drafter's next choices for its position,
+    ``(token id, probability)`` best first (greedy drafting only); the engine may verify some of
+    them beside the draft, as side branches in the same target forward.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     confidence: tuple[float, ...] = ()
+    alternatives: tuple[tuple[tuple[int, float], ...], ...] = ()
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -44,13 +47,16 @@ class Outcome:
     ``accepted`` draft tokens were kept (``tokens``, the verified text's new tokens; whoever
     drafted them) and ``next_token`` follows them; it is the new last verified token, not yet
     processed by the target. ``hidden`` holds the target features (the drafter's
-    ``capture_layers``) of the verified inputs ``[x, d_1 .. d_accepted]``.
+    ``capture_layers``) of the verified inputs ``[x, d_1 .. d_accepted]``. ``branch``: the last
+    of ``tokens`` is one of the draft's alternatives (a side branch the target accepted), not the
+    draft's own token at that position.
     """
 
     accepted: int
     next_token: int
     tokens: tuple[int, ...] = ()
     hidden: torch.Tensor | None = None
+    branch: bool = False
 
     def __post_init__(self) -> None:
         if len(self.tokens) != self.accepted:
@@ -135,7 +141,7 @@ class PreDraft:
     draft: Draft
 
     def matches(self, outcome: Outcome, proposed: int) -> bool:
-        return outcome.accepted == proposed and outcome.next_token == self.next_token
+        return outcome.accepted == proposed and not outcome.branch and outcome.next_token == self.next_token
 
 
 @runtime_checkable

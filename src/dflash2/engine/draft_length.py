@@ -27,6 +27,15 @@ per source from outcomes, by confidence bin) and drafts on while drafting furthe
 to raise the step's tokens per second: the next token, or a few more where the target's forward
 cost rises in a jump that one token alone does not pay for.
 
+A greedy drafter may also offer its next choices for each draft token (``Draft.alternatives``).
+Verifying one beside the draft, as a side branch of the same target forward, costs a row; if
+the draft goes wrong exactly there and the target picks that alternative, the branch's row
+already holds the next token, one more token for the step. So the policy verifies, of the
+alternatives, those whose expected tokens (the chance to reach the position times the chance
+the alternative is the target's, learnt by its probability as for draft tokens) raise the
+step's expected tokens per second most, within the block lengths whose forward was timed: on a
+device where a forward over a few more rows costs little more, a step gains tokens at no cost.
+
 When drafting stops paying the policy still tries a draft now and then, after a wait that doubles
 while drafting keeps losing, so a request whose text turns repetitive is noticed. Output never
 depends on k (each step is lossless whatever its length); seeded sampling requests keep the
@@ -45,6 +54,7 @@ from dflash2.drafters.base import MODEL_SOURCE as SOURCE
 from dflash2.errors import InvalidOptionError
 
 LengthMode = Literal["auto", "fixed"]
+BranchMode = Literal["auto", "off", "all"]
 DECAY = 0.98  # the model's acceptance totals forget old requests slowly
 EMA = 0.25  # weight of a new timing in a running mean
 MIN_SPREAD = 1.0  # variance of the token counts (tokens²) a fitted line needs before it is used
@@ -91,6 +101,41 @@ def best_length(accept: Sequence[float], cost: Sequence[float], limit: int, lowe
         if rate > best_rate:
             best, best_rate = k, rate
     return best
+
+
+def best_branches(
+    chances: Sequence[float],
+    alternatives: Sequence[Sequence[float]],
+    verify: Sequence[float],
+    drafting: float,
+    taken: float = 0.0,
+) -> list[tuple[int, int]]:
+    """Which alternatives to verify beside a draft, as ``(draft index, rank)``, sorted.
+
+    ``chances[i]``: the chance draft token i is right given the ones before it; ``alternatives[i][r]``:
+    the chance the r-th alternative at i is the target's token given that position is reached;
+    ``verify[n]``: seconds of a target forward over n rows (n up to ``len(verify) - 1``, the most
+    rows allowed); ``drafting``: the step's drafting seconds; ``taken``: what a taken branch
+    costs besides its row (the drafter then catches up one more token). Alternatives go in by
+    expected tokens, as many as give the most expected tokens per second.
+    """
+    k = len(chances)
+    values: list[tuple[float, int, int]] = []
+    reach = 1.0
+    for i in range(k):
+        values += [(reach * chance, i, r) for r, chance in enumerate(alternatives[i] if i < len(alternatives) else ())]
+        reach *= chances[i]
+    values.sort(key=lambda v: -v[0])
+    tokens = expected_yield(chances, k)
+    best, best_rate = 0, tokens / (verify[k + 1] + drafting)
+    extra = 0.0
+    for m, (value, _, _) in enumerate(values[: max(0, len(verify) - k - 2)], 1):
+        tokens += value
+        extra += value * taken
+        rate = tokens / (verify[k + 1 + m] + drafting + extra)
+        if rate > best_rate:
+            best, best_rate = m, rate
+    return sorted((i, r) for _, i, r in values[:best])
 
 
 def worth_more(yielded: float, reach: float, chance: float, costs: Sequence[float], drafted: int) -> bool:
@@ -171,6 +216,7 @@ class _Source:
     accepted: list[float] = field(default_factory=list)  # by position, decayed
     tried: list[float] = field(default_factory=list)
     confidence: _Confidence = field(default_factory=_Confidence)
+    alternatives: _Confidence = field(default_factory=_Confidence)  # side branches, by their probability
     confident: bool = False  # its drafts report confidence: it asks keep_drafting token by token
 
     def seconds(self, k: int) -> float:
@@ -188,9 +234,12 @@ class DraftLengthPolicy:
     """The model's side: forward and drafting times, acceptance totals; :meth:`start` gives a request's side.
 
     ``mode="fixed"`` always drafts as far as the block allows (what every step did before).
+    ``branches``: ``"auto"`` verifies the alternatives that pay (see the module docstring),
+    ``"off"`` none, ``"all"`` every one offered (as far as the timed block lengths reach).
     """
 
     mode: LengthMode = "auto"
+    branches: BranchMode = "auto"
     prior_weight: float = 4.0  # steps of its own a request needs to outweigh the model's totals
     recheck_every: int = 8  # plain steps before a draft is tried again ...
     max_recheck_every: int = 512  # ... doubling while drafting keeps losing, up to this many
@@ -202,6 +251,8 @@ class DraftLengthPolicy:
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "fixed"):
             raise InvalidOptionError(f"mode must be 'auto' or 'fixed', not {self.mode!r}.")
+        if self.branches not in ("auto", "off", "all"):
+            raise InvalidOptionError(f"branches must be 'auto', 'off' or 'all', not {self.branches!r}.")
         if not isinstance(self.prior_weight, (int, float)) or self.prior_weight <= 0:
             raise InvalidOptionError(f"prior_weight must be a number > 0, got {self.prior_weight!r}.")
         for name in ("recheck_every", "max_recheck_every"):
@@ -244,6 +295,30 @@ class DraftLengthPolicy:
             measured.confident = measured.confident or bool(confidence)
             for i, sure in enumerate(confidence[: accepted + 1]):
                 measured.confidence.record(sure, i < accepted)
+
+    def record_branches(self, outcomes: Sequence[tuple[float, bool]], source: str = SOURCE) -> None:
+        """Side branches of ``source`` whose position was reached: ``(probability, taken)`` each."""
+        with self._lock:
+            measured = self._source(source)
+            for probability, taken in outcomes:
+                measured.alternatives.record(probability, taken)
+
+    def branch_chance(self, probability: float, source: str = SOURCE) -> float:
+        """How likely an alternative of this probability is the target's token where it is reached."""
+        with self._lock:
+            return self._source(source).alternatives.chance(probability, self.prior_weight)
+
+    def draft_seconds(self, tokens: int, source: str = SOURCE) -> float:
+        """Seconds ``source`` takes to draft ``tokens`` tokens, as measured (0 before any timing)."""
+        with self._lock:
+            return self._source(source).seconds(tokens)
+
+    def verify_seconds(self) -> list[float]:
+        """Seconds of a target forward over n = 0 .. the most rows timed (0 for n = 0; a length
+        never timed takes its nearest timed neighbour's)."""
+        with self._lock:
+            known = self._verify.known()
+            return [0.0, *(self._verify.at(n) or 0.0 for n in range(1, max(known) + 1))] if known else []
 
     def prior(self, length: int, source: str = SOURCE) -> list[float]:
         """The model's acceptance rate by position (Laplace-smoothed: 1/2 where nothing was seen)."""
@@ -368,6 +443,34 @@ class DraftLength:
         self._reach *= chance
         self._yielded += self._reach
         return worth_more(self._yielded, self._reach, chance, costs, drafted)
+
+    def branches(
+        self, confidence: Sequence[float], alternatives: Sequence[Sequence[tuple[int, float]]], rows: int
+    ) -> list[tuple[int, int, float]]:
+        """The alternatives to verify beside a draft of these ``confidence`` values, as ``(draft
+        index, token, probability)``, in a forward of at most ``rows`` rows (chain and branches)."""
+        policy, k = self.policy, len(confidence)
+        if policy.branches == "off" or not alternatives or k == 0:
+            return []
+        offered = [(i, token, p) for i in range(k) for token, p in (alternatives[i] if i < len(alternatives) else ())]
+        if policy.branches == "all":
+            return offered[: max(0, rows - k - 1)]
+        verify = policy.verify_seconds()[: rows + 1]
+        if len(verify) <= k + 2:
+            return []
+        chances = [policy.chance(c, self.source) for c in confidence]
+        chance_of = [[policy.branch_chance(p, self.source) for _, p in alternatives[i]] for i in range(k)]
+        drafting = policy.draft_seconds(k, self.source)
+        per_token = drafting / k  # a taken branch: the drafter reads one more token next step
+        chosen = best_branches(chances, chance_of, verify, drafting, per_token)
+        return [(i, *alternatives[i][r]) for i, r in chosen]
+
+    def record_branches(self, branches: Sequence[tuple[int, int, float]], accepted: int, taken: int | None) -> None:
+        """After a step that verified ``branches``: those at positions the chain reached (draft
+        index ≤ ``accepted``) were right when they are the ``taken`` one (its index)."""
+        reached = [(p, j == taken) for j, (i, _, p) in enumerate(branches) if i <= accepted]
+        if reached:
+            self.policy.record_branches(reached, self.source)
 
     def record_outcome(self, proposed: int, accepted: int, confidence: Sequence[float] = ()) -> None:
         if proposed > 0:

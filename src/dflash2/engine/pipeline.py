@@ -19,6 +19,7 @@ request, so that what it draws never depends on what runs beside it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
@@ -126,7 +127,7 @@ class AsyncPipeline:
         if pre is not None and pre.matches(outcome, len(draft)):
             assert r.drafter is not None
             check_draft(pre.draft, ahead, r.target.spec.vocab_size, r.drafter.name)
-            self._ready = Draft(pre.draft.tokens.to(r.target.device), pre.draft.probs, pre.draft.confidence)
+            self._ready = dataclasses.replace(pre.draft, tokens=pre.draft.tokens.to(r.target.device))
             self.counters.predraft_hits += 1
         return list(emitted)
 

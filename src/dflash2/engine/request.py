@@ -25,6 +25,7 @@ it takes effect at once when no phase runs, else when the running ones end.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -54,7 +55,7 @@ from dflash2.runtime.model import Decoder
 from dflash2.runtime.workers import Timed, Worker, one_thread
 from dflash2.sampling import choose, make_generator
 from dflash2.stream import EngineCounters
-from dflash2.verify import accept
+from dflash2.verify import accept, branch_hit
 
 T = TypeVar("T")
 
@@ -89,12 +90,14 @@ def check_draft(draft: object, wanted: int, vocab: int, drafter: str) -> None:
 
 @dataclass(frozen=True)
 class Verified:
-    """Target output for a verified block: logits [k + 1, vocab], features [k + 1, F] or None.
-    ``eager``: computed by an eager forward (a static step attends otherwise: see ``Request.storable``)."""
+    """Target output for a verified block: logits [k + 1 + b, vocab], features [k + 1 + b, F] or None.
+    ``eager``: computed by an eager forward (a static step attends otherwise: see ``Request.storable``).
+    ``branches``: the b side branches verified after the chain, ``(draft index, token, probability)``."""
 
     logits: torch.Tensor
     hidden: torch.Tensor | None
     eager: bool = True
+    branches: tuple[tuple[int, int, float], ...] = ()
 
 
 class Request:
@@ -320,23 +323,36 @@ class Request:
         self.counters.draft_s += seconds
         if self.lengths is not None and len(draft) > 0:
             self.lengths.policy.record_draft(len(draft), seconds, self.lengths.source)
-        return Draft(draft.tokens.to(self.target.device), draft.probs, draft.confidence)
+        return dataclasses.replace(draft, tokens=draft.tokens.to(self.target.device))
 
     def block(self, draft: Draft) -> torch.Tensor:
         """The tokens [1 + k] a verify forward runs: the last emitted token, then the draft."""
         return torch.cat([torch.tensor([self.last], device=self.target.device), draft.tokens.to(self.target.device)])
 
+    def branches(self, draft: Draft) -> list[tuple[int, int, float]]:
+        """The draft's alternatives to verify beside it (greedy eager forwards only; see ``engine.draft_length``)."""
+        if not draft.alternatives or self.lengths is None or self.slot is not None or not self.sampling.greedy:
+            return []
+        assert self.cache is not None
+        rows = min(self.cache.capacity - self.cache.length, 2 * (len(draft) + 1))
+        return self.lengths.branches(draft.confidence, draft.alternatives, rows)
+
     def verify(self, draft: Draft) -> Verified:
-        """One target forward over ``[last, draft...]``."""
+        """One target forward over ``[last, draft...]`` (and the side branches worth verifying)."""
         assert self.cache is not None
         start = time.perf_counter()
         block = self.block(draft)
         if self.slot is not None:
             verified = Verified(*self.slot.forward(block, self.capture), eager=False)
         else:
-            out = self.target(block[None], self.cache, logits="all", capture=self.capture)
+            branches = self.branches(draft)
+            if branches:
+                block = torch.cat([block, torch.tensor([t for _, t, _ in branches], device=block.device)])
+            rows = [i + 1 for i, _, _ in branches]
+            out = self.target(block[None], self.cache, logits="all", capture=self.capture, branches=rows)
             assert out.logits is not None
-            verified = Verified(out.logits[0], out.hidden[0] if out.hidden is not None else None)
+            hidden = out.hidden[0] if out.hidden is not None else None
+            verified = Verified(out.logits[0], hidden, branches=tuple(branches))
         self.counters.verify_s += time.perf_counter() - start
         return verified
 
@@ -346,25 +362,37 @@ class Request:
         assert self.cache is not None
         start = time.perf_counter()
         tokens = draft.tokens.to(self.target.device)
-        accepted_t, token_t = accept(tokens, draft.probs, verified.logits, self.sampling, self.generator)
+        k = len(tokens)
+        logits = verified.logits[: k + 1] if verified.branches else verified.logits
+        accepted_t, token_t = accept(tokens, draft.probs, logits, self.sampling, self.generator)
         accepted, *block = torch.cat([accepted_t.view(1), tokens, token_t.view(1)]).tolist()  # one host copy
         emitted = [*block[:accepted], block[-1]]
-        token = emitted[-1]
         kept = verified.hidden[: accepted + 1] if verified.hidden is not None else None
+        taken = branch_hit(accepted, k, emitted[-1], [(i, t) for i, t, _ in verified.branches])
+        if taken is not None:  # the target took a side branch: its row holds the next token
+            row = k + 1 + taken
+            emitted.append(int(choose(verified.logits[row], self.sampling, self.generator)))
+            self.cache.move(self.verified + row, self.verified + accepted + 1)
+            if kept is not None and verified.hidden is not None:
+                kept = torch.cat([kept, verified.hidden[row : row + 1]])
+            self.counters.branch_hits += 1
+        token, kept_tokens = emitted[-1], len(emitted) - 1
         if kept is not None and self.slot is not None:  # the slot's next step overwrites its outputs
             kept = kept.clone()
         if self.prefixes is not None and self.storable == self.verified and verified.eager:
-            self.storable += accepted + 1
+            self.storable += kept_tokens + 1
             if kept is not None:
                 self._features.append(kept)
         self.text += emitted
-        self.verified += accepted + 1
+        self.verified += kept_tokens + 1
         self.cache.rollback(self.verified)
-        outcome = Outcome(accepted, token, tuple(emitted[:-1]), kept)
+        outcome = Outcome(kept_tokens, token, tuple(emitted[:-1]), kept, branch=taken is not None)
         if self.session is not None:
             self.session.observe(outcome)
         if self.lengths is not None:
             self.lengths.record_outcome(len(draft), accepted, draft.confidence)
+            if verified.branches:
+                self.lengths.record_branches(verified.branches, accepted, taken)
         self.last = token
         self.generated += len(emitted)
         self.counters.steps += 1
@@ -385,7 +413,8 @@ class Request:
     def check(self, draft: Draft) -> tuple[list[int], Outcome]:
         """Verify and settle ``draft`` at once (a serial step), timing it for the draft-length policy."""
         start = time.perf_counter()
-        emitted, outcome = self.settle(draft, self.verify(draft))
+        verified = self.verify(draft)
+        emitted, outcome = self.settle(draft, verified)
         if self.lengths is not None:  # settle read the result back: the time includes the device's
-            self.lengths.policy.record_verify(len(draft) + 1, time.perf_counter() - start)
+            self.lengths.policy.record_verify(len(draft) + 1 + len(verified.branches), time.perf_counter() - start)
         return emitted, outcome

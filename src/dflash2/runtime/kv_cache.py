@@ -75,6 +75,12 @@ class KVCache:
         view.length = 0
         return view
 
+    def move(self, source: int, target: int) -> None:
+        """Copy the keys and values at position ``source`` to ``target`` in every layer (an accepted
+        side branch takes the place of the chain token it stood in for)."""
+        self.k[:, :, :, target] = self.k[:, :, :, source]
+        self.v[:, :, :, target] = self.v[:, :, :, source]
+
     def advance(self, new_tokens: int) -> None:
         self.length += new_tokens
 

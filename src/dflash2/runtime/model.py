@@ -53,6 +53,25 @@ def block_causal_mask(start: int, new: int, device: torch.device) -> torch.Tenso
     return cols[None, :] <= rows[:, None]
 
 
+def branch_positions(start: int, new: int, branches: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Positions [new] of a block whose last ``len(branches)`` rows are side branches (see
+    :meth:`Decoder.forward`): the chain rows at ``start ..``, branch j at its chain row's position."""
+    chain = new - len(branches)
+    return torch.tensor([*range(start, start + chain), *(start + row for row in branches)], device=device)
+
+
+def branch_mask(start: int, new: int, branches: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Boolean mask [new, start + new] of such a block: the chain rows are causal; branch j sees the
+    cache, the chain rows before its own row ``branches[j]``, and itself."""
+    chain = new - len(branches)
+    cols = torch.arange(start + new, device=device)
+    seen = torch.tensor([*range(start, start + chain), *(start + row - 1 for row in branches)], device=device)
+    mask = cols[None, :] <= seen[:, None]
+    own = torch.arange(start + chain, start + new, device=device)
+    mask[chain:] |= cols[None, :] == own[:, None]
+    return mask
+
+
 @dataclass(frozen=True)
 class Part:
     """The rows of a forward's block that belong to one cache: its keys and values go there, and
@@ -64,6 +83,7 @@ class Part:
     mask: torch.Tensor | None  # as ``attend`` takes it: made once per forward by ``grouped_mask``
     positions: torch.Tensor | None = None  # static steps: where the keys go (see ``KVCache.write``)
     rows_alone: bool = False  # attention row by row (:func:`attend_rows`): a quantized target's eager causal parts
+    branches: tuple[int, ...] = ()  # the chain rows the last rows branch from (see ``Decoder.forward``)
 
 
 class RotaryTable(nn.Module):
@@ -127,15 +147,26 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     return out.view(b, kvh, group, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
 
 
-def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def attend_rows(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, branches: Sequence[int] = ()
+) -> torch.Tensor:
     """Causal attention one query row at a time over exactly the keys it sees, the last T of
     ``keys`` being the rows' own: each row gets the bits a one-token forward gives it, whatever
-    the number of rows (SDPA's kernels round by the shapes they are given)."""
+    the number of rows (SDPA's kernels round by the shapes they are given). ``branches``: the
+    last rows are side branches (see :meth:`Decoder.forward`), each attending over the keys
+    before its chain row and then its own key, as a one-token forward at its position would."""
     t, s = q.shape[1], keys.shape[2]
     if t == 1:
         return attend(q, keys, values, None)
-    seen = [s - t + i + 1 for i in range(t)]
-    return torch.cat([attend(q[:, i : i + 1], keys[:, :, :n], values[:, :, :n], None) for i, n in enumerate(seen)], 1)
+    chain = t - len(branches)
+    seen = [s - t + i + 1 for i in range(chain)]
+    rows = [attend(q[:, i : i + 1], keys[:, :, :n], values[:, :, :n], None) for i, n in enumerate(seen)]
+    for j, row in enumerate(branches):
+        before, own = s - t + row, s - len(branches) + j
+        k = torch.cat((keys[:, :, :before], keys[:, :, own : own + 1]), dim=2)
+        v = torch.cat((values[:, :, :before], values[:, :, own : own + 1]), dim=2)
+        rows.append(attend(q[:, chain + j : chain + j + 1], k, v, None))
+    return torch.cat(rows, 1)
 
 
 class Attention(nn.Module):
@@ -169,7 +200,7 @@ class Attention(nn.Module):
                 layer, k[:, rows].transpose(1, 2), v[:, rows].transpose(1, 2), part.positions
             )
             if part.rows_alone:
-                outs.append(attend_rows(q[:, rows], keys, values))
+                outs.append(attend_rows(q[:, rows], keys, values, part.branches))
             else:
                 outs.append(attend(q[:, rows], keys, values, part.mask))
         return self.o(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
@@ -277,6 +308,7 @@ class Decoder(nn.Module):
         capture: Sequence[int] = (),
         visible: torch.Tensor | None = None,
         start: torch.Tensor | None = None,
+        branches: Sequence[int] = (),
     ) -> ForwardOutput:
         """Run T new tokens [B, T] after the ``cache.length`` cached ones and advance the cache.
 
@@ -291,8 +323,15 @@ class Decoder(nn.Module):
         step). The tokens go at ``start ..``, attention covers the whole cache under a mask, and
         nothing on the host is read or changed (``cache.length`` is the caller's), so the same
         kernels serve every length and a CUDA graph can replay them.
+        ``branches``: the last ``len(branches)`` tokens are side branches of the block's chain
+        (the rows before them, causal as usual): branch j stands in for chain row
+        ``branches[j]`` (≥ 1), at its position, seeing what that row sees but the row itself
+        (a verify forward that checks a drafter's second choices beside its draft). Their keys
+        and values go to the cache after the chain's; the caller keeps or moves what it accepts.
         """
         new = input_ids.shape[1]
+        if branches and (start is not None or visible is not None or len(branches) >= new):
+            raise ValueError("side branches need an eager forward without padding, after at least one chain row")
         x = self.embed(input_ids)
         positions: torch.Tensor | None = None
         if start is not None:
@@ -305,15 +344,19 @@ class Decoder(nn.Module):
         else:
             begin = cache.length
             cache.check_room(new)
-            rope = self.rope(begin, new)
-            mask = block_causal_mask(begin, new, x.device)
+            if branches:
+                rope = self.rope.at(branch_positions(begin, new, branches, x.device))
+                mask = branch_mask(begin, new, branches, x.device)
+            else:
+                rope = self.rope(begin, new)
+                mask = block_causal_mask(begin, new, x.device)
             if visible is not None:
                 keys = torch.arange(begin + new, device=x.device)
                 itself = keys[None, :] == torch.arange(begin, begin + new, device=x.device)[:, None]
                 causal = mask if mask is not None else torch.ones_like(itself)
                 mask = (causal & visible[:, None, None, :]) | itself
         alone = self.weights != "same" and visible is None and start is None
-        parts = [Part(cache, slice(None), self._grouped(mask), positions, rows_alone=alone)]
+        parts = [Part(cache, slice(None), self._grouped(mask), positions, rows_alone=alone, branches=tuple(branches))]
         x, normed, hidden = self._layers(x, rope, parts, capture, logits == "all")
         if start is None:
             cache.advance(new)
