@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,30 +15,49 @@ from tiny import SPEC_PROMPTS
 import dflash2
 from dflash2 import InvalidOptionError
 from dflash2.cli import build_parser
+from dflash2.runtime import threads as thread_module
 from dflash2.runtime.threads import ThreadPolicy, available_cores
 from dflash2.runtime.workers import Worker, one_thread
 
 
 class _Machine:
-    """A workload whose seconds depend on the thread count the policy set: a stand-in machine."""
+    """A workload whose seconds depend on the thread count the policy set: a stand-in machine
+    with a clock of its own, which only its workload advances (``clocked`` gives it to the
+    policy), so that no timing of this host decides a choice."""
 
     def __init__(self, seconds: dict[int, float]) -> None:
         self.seconds = seconds
         self.threads = 0
+        self.now = 0.0
 
     def set_threads(self, count: int) -> None:
         self.threads = count
 
+    def perf_counter(self) -> float:
+        return self.now
+
     def __call__(self) -> None:
-        time.sleep(self.seconds[self.threads])
+        self.now += self.seconds[self.threads]
+
+
+@pytest.fixture
+def clocked(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[int, float]], _Machine]:
+    """A stand-in machine whose clock the thread policy reads."""
+
+    def make(seconds: dict[int, float]) -> _Machine:
+        machine = _Machine(seconds)
+        monkeypatch.setattr(thread_module, "time", machine)
+        return machine
+
+    return make
 
 
 def _policy(machine: _Machine, limit: int = 2, **options: Any) -> ThreadPolicy:
     return ThreadPolicy(limit, every_s=0.0, workload=machine, **options)
 
 
-def test_all_cores_while_they_are_faster_fewer_while_they_are_not() -> None:
-    machine = _Machine({1: 0.004, 2: 0.002})
+def test_all_cores_while_they_are_faster_fewer_while_they_are_not(clocked: Callable[..., _Machine]) -> None:
+    machine = clocked({1: 0.004, 2: 0.002})
     policy = _policy(machine)
     assert policy.measure(machine.set_threads) == 2 and machine.threads == 2
     machine.seconds = {1: 0.002, 2: 0.008}  # another process took a core
@@ -46,25 +66,27 @@ def test_all_cores_while_they_are_faster_fewer_while_they_are_not() -> None:
     assert policy.measure(machine.set_threads) == 2 and machine.threads == 2
 
 
-def test_a_count_changes_only_when_clearly_faster() -> None:
-    machine = _Machine({1: 0.0050, 2: 0.0052})
+def test_a_count_changes_only_when_clearly_faster(clocked: Callable[..., _Machine]) -> None:
+    machine = clocked({1: 0.0050, 2: 0.0052})
     policy = _policy(machine, margin=0.2)
     assert policy.measure(machine.set_threads) == 2
 
 
-def test_the_choice_moves_one_core_at_a_time_and_stays_within_the_limit() -> None:
-    machine = _Machine({count: 0.001 * abs(count - 2) + 0.001 for count in range(1, 9)})  # 2 is best
+def test_the_choice_moves_one_core_at_a_time_and_stays_within_the_limit(clocked: Callable[..., _Machine]) -> None:
+    machine = clocked({count: 0.001 * abs(count - 2) + 0.001 for count in range(1, 9)})  # 2 is best
     policy = _policy(machine, limit=8)
     assert [policy.measure(machine.set_threads) for _ in range(8)] == [7, 6, 5, 4, 3, 2, 2, 2]
 
 
-def test_measurements_wait_their_interval_and_never_run_for_one_core() -> None:
-    machine = _Machine({1: 0.0, 2: 0.0})
+def test_measurements_wait_their_interval_and_never_run_for_one_core(clocked: Callable[..., _Machine]) -> None:
+    machine = clocked({1: 0.0, 2: 0.0})
     policy = ThreadPolicy(2, every_s=60.0, workload=machine)
-    now = time.perf_counter()
+    now = machine.perf_counter()
     assert policy.due(now)
     policy.measure(machine.set_threads)
-    assert not policy.due(time.perf_counter())
+    assert not policy.due(machine.perf_counter())
+    machine.now += 60.0
+    assert policy.due(machine.perf_counter())
     assert not ThreadPolicy(1).due(now)
 
 
