@@ -16,6 +16,7 @@ from dflash2.drafters.base import PreDraft
 from dflash2.engine import DraftLengthPolicy
 from dflash2.engine.draft_length import best_branches
 from dflash2.errors import InvalidOptionError
+from dflash2.runtime.model import block_causal_mask, branch_mask, branch_positions
 from dflash2.verify import branch_hit
 
 
@@ -53,6 +54,11 @@ def test_a_branch_row_equals_a_forward_of_its_own_text(targets: dict[str, Path],
             alone = target(text, cache).logits
             assert alone is not None
             assert same(out[0, 5 + j], alone[0, -1]), (row, j)
+
+
+def test_a_block_without_branches_gets_the_causal_mask() -> None:
+    cpu = torch.device("cpu")
+    assert torch.equal(branch_mask(5, branch_positions(5, 4, [], cpu)), block_causal_mask(5, 4, cpu))
 
 
 def test_branches_need_an_eager_forward_after_a_chain_row(targets: dict[str, Path]) -> None:

@@ -123,7 +123,7 @@ def best_branches(
     values: list[tuple[float, int, int]] = []
     reach = 1.0
     for i in range(k):
-        values += [(reach * chance, i, r) for r, chance in enumerate(alternatives[i] if i < len(alternatives) else ())]
+        values += [(reach * chance, i, r) for r, chance in enumerate(alternatives[i])]
         reach *= chances[i]
     values.sort(key=lambda v: -v[0])
     tokens = expected_yield(chances, k)
@@ -452,18 +452,19 @@ class DraftLength:
         policy, k = self.policy, len(confidence)
         if policy.branches == "off" or not alternatives or k == 0:
             return []
-        offered = [(i, token, p) for i in range(k) for token, p in (alternatives[i] if i < len(alternatives) else ())]
+        at = [alternatives[i] if i < len(alternatives) else () for i in range(k)]  # one entry per draft token
+        offered = [(i, token, p) for i in range(k) for token, p in at[i]]
         if policy.branches == "all":
             return offered[: max(0, rows - k - 1)]
         verify = policy.verify_seconds()[: rows + 1]
         if len(verify) <= k + 2:
             return []
         chances = [policy.chance(c, self.source) for c in confidence]
-        chance_of = [[policy.branch_chance(p, self.source) for _, p in alternatives[i]] for i in range(k)]
+        chance_of = [[policy.branch_chance(p, self.source) for _, p in at[i]] for i in range(k)]
         drafting = policy.draft_seconds(k, self.source)
         per_token = drafting / k  # a taken branch: the drafter reads one more token next step
         chosen = best_branches(chances, chance_of, verify, drafting, per_token)
-        return [(i, *alternatives[i][r]) for i, r in chosen]
+        return [(i, *at[i][r]) for i, r in chosen]
 
     def record_branches(self, branches: Sequence[tuple[int, int, float]], accepted: int, taken: int | None) -> None:
         """After a step that verified ``branches``: those at positions the chain reached (draft

@@ -363,8 +363,8 @@ class Request:
         start = time.perf_counter()
         tokens = draft.tokens.to(self.target.device)
         k = len(tokens)
-        logits = verified.logits[: k + 1] if verified.branches else verified.logits
-        accepted_t, token_t = accept(tokens, draft.probs, logits, self.sampling, self.generator)
+        chain = verified.logits[: k + 1]  # the side branches' rows follow
+        accepted_t, token_t = accept(tokens, draft.probs, chain, self.sampling, self.generator)
         accepted, *block = torch.cat([accepted_t.view(1), tokens, token_t.view(1)]).tolist()  # one host copy
         emitted = [*block[:accepted], block[-1]]
         kept = verified.hidden[: accepted + 1] if verified.hidden is not None else None

@@ -60,16 +60,14 @@ def branch_positions(start: int, new: int, branches: Sequence[int], device: torc
     return torch.tensor([*range(start, start + chain), *(start + row for row in branches)], device=device)
 
 
-def branch_mask(start: int, new: int, branches: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Boolean mask [new, start + new] of such a block: the chain rows are causal; branch j sees the
-    cache, the chain rows before its own row ``branches[j]``, and itself."""
-    chain = new - len(branches)
-    cols = torch.arange(start + new, device=device)
-    seen = torch.tensor([*range(start, start + chain), *(start + row - 1 for row in branches)], device=device)
-    mask = cols[None, :] <= seen[:, None]
-    own = torch.arange(start + chain, start + new, device=device)
-    mask[chain:] |= cols[None, :] == own[:, None]
-    return mask
+def branch_mask(start: int, positions: torch.Tensor) -> torch.Tensor:
+    """Boolean mask [T, start + T] of a block at ``positions`` (:func:`branch_positions`): each row
+    sees the cache slots before its position and its own slot (``start + row``), so the chain rows
+    are causal and branch j sees the cache, the chain rows before its chain row, and itself."""
+    new = positions.shape[0]
+    cols = torch.arange(start + new, device=positions.device)
+    own = torch.arange(start, start + new, device=positions.device)
+    return (cols[None, :] < positions[:, None]) | (cols[None, :] == own[:, None])
 
 
 @dataclass(frozen=True)
@@ -345,8 +343,8 @@ class Decoder(nn.Module):
             begin = cache.length
             cache.check_room(new)
             if branches:
-                rope = self.rope.at(branch_positions(begin, new, branches, x.device))
-                mask = branch_mask(begin, new, branches, x.device)
+                at = branch_positions(begin, new, branches, x.device)
+                rope, mask = self.rope.at(at), branch_mask(begin, at)
             else:
                 rope = self.rope(begin, new)
                 mask = block_causal_mask(begin, new, x.device)
