@@ -154,6 +154,11 @@ class ContractBreakingSession:
             "too-many": lambda: Draft(torch.arange(max_tokens + 3)),
             "not-a-draft": lambda: [5, 6],
             "probs-of-another-shape": lambda: Draft(torch.tensor([5, 6]), torch.ones(3, 260) / 260),
+            "confidence-of-another-length": lambda: Draft(torch.tensor([5, 6]), confidence=(0.9,)),
+            "confidence-above-one": lambda: Draft(torch.tensor([5, 6]), confidence=(0.9, 1.5)),
+            "alternative-outside-vocabulary": lambda: Draft(torch.tensor([5, 6]), alternatives=(((999, 0.05),), ())),
+            "alternatives-beyond-the-draft": lambda: Draft(torch.tensor([5]), alternatives=(((7, 0.1),), ((8, 0.1),))),
+            "alternatives-not-pairs": lambda: Draft(torch.tensor([5, 6]), alternatives=((7, 8),)),  # type: ignore[arg-type]
         }[self.breach]()
 
     def observe(self, outcome: Outcome) -> None: ...
@@ -180,6 +185,11 @@ BREACHES = [
     ("too-many", "proposed 6 tokens when asked for at most 3"),
     ("not-a-draft", "proposed a list; propose\\(\\) returns a Draft"),
     ("probs-of-another-shape", "proposed 2 tokens with probabilities of shape \\[3, 260\\]"),
+    ("confidence-of-another-length", "proposed 2 tokens with 1 confidence values"),
+    ("confidence-above-one", "proposed a confidence of 1.5; a confidence is a probability"),
+    ("alternative-outside-vocabulary", "proposed alternative token id 999, outside the target's vocabulary"),
+    ("alternatives-beyond-the-draft", "proposed alternatives for 2 positions of a 1-token draft"),
+    ("alternatives-not-pairs", "proposed alternatives \\(7, 8\\) at draft position 0"),
 ]
 
 

@@ -63,7 +63,8 @@ T = TypeVar("T")
 def check_draft(draft: object, wanted: int, vocab: int, drafter: str) -> None:
     """Raise :class:`DrafterError` unless ``draft`` is what a drafter must propose: a :class:`Draft`
     of at most ``wanted`` token ids of the target's vocabulary (values checked where they are on the
-    host, so that nothing waits for a device)."""
+    host, so that nothing waits for a device), with its probabilities, confidence and alternatives
+    shaped as :class:`Draft` says."""
     if not isinstance(draft, Draft) or not isinstance(draft.tokens, torch.Tensor):
         raise DrafterError(f"the drafter {drafter!r} proposed a {type(draft).__name__}; propose() returns a Draft.")
     tokens = draft.tokens
@@ -86,6 +87,42 @@ def check_draft(draft: object, wanted: int, vocab: int, drafter: str) -> None:
             f"the drafter {drafter!r} proposed {len(tokens)} tokens with probabilities of shape "
             f"{list(draft.probs.shape)}; a Draft's probs hold one row per token."
         )
+    _check_confidence(draft, drafter)
+    _check_alternatives(draft, vocab, drafter)
+
+
+def _check_confidence(draft: Draft, drafter: str) -> None:
+    if draft.confidence and len(draft.confidence) != len(draft):
+        raise DrafterError(
+            f"the drafter {drafter!r} proposed {len(draft)} tokens with {len(draft.confidence)} confidence values; "
+            "a Draft's confidence holds one probability per token, or none."
+        )
+    for sure in draft.confidence:
+        if not 0.0 <= sure <= 1.0:  # NaN fails too
+            raise DrafterError(
+                f"the drafter {drafter!r} proposed a confidence of {sure}; a confidence is a probability in [0, 1]."
+            )
+
+
+def _check_alternatives(draft: Draft, vocab: int, drafter: str) -> None:
+    if len(draft.alternatives) > len(draft):
+        raise DrafterError(
+            f"the drafter {drafter!r} proposed alternatives for {len(draft.alternatives)} positions of a "
+            f"{len(draft)}-token draft; a Draft's alternatives hold at most one entry per token."
+        )
+    for i, choices in enumerate(draft.alternatives):
+        for choice in choices:
+            pair = isinstance(choice, tuple) and len(choice) == 2
+            if not pair or not isinstance(choice[0], int) or not 0.0 <= choice[1] <= 1.0:
+                raise DrafterError(
+                    f"the drafter {drafter!r} proposed alternatives {choices!r} at draft position {i}; each "
+                    "alternative is a (token id, probability) pair."
+                )
+            if not 0 <= choice[0] < vocab:
+                raise DrafterError(
+                    f"the drafter {drafter!r} proposed alternative token id {choice[0]}, outside the target's "
+                    f"vocabulary [0, {vocab})."
+                )
 
 
 @dataclass(frozen=True)
