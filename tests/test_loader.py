@@ -168,7 +168,7 @@ def test_a_conversion_that_crashes_leaves_no_cache_entry(
     from dflash2.runtime import loader
 
     monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
-    target = tmp_path / "gguf" / f"{smollm2_gguf.stem}-{loader._file_fingerprint(smollm2_gguf)}"
+    target = tmp_path / "gguf" / f"{smollm2_gguf.stem}-{loader.file_fingerprint(smollm2_gguf)}"
     target.parent.mkdir(parents=True)
     killed = target.parent / f".tmp-{target.name}-killed"  # what a process killed midway leaves
     killed.mkdir()

@@ -376,7 +376,7 @@ def load(
     checkpoint = resolve_checkpoint(target)
     try:
         decoder = load_decoder(checkpoint, resolved_dtype, resolved_device)
-        decoder.quantize(target_weights)
+        decoder.quantize(target_weights, checkpoint)
         decoder.pack()
         tokenizer = load_tokenizer(checkpoint)
         eos = load_eos_ids(checkpoint, decoder.spec)

@@ -30,7 +30,8 @@ from dflash2.runtime.loader import (
     resolve_checkpoint,
 )
 from dflash2.runtime.model import Decoder
-from dflash2.runtime.quant import WeightFormat, check_weight_format, int4_available, quantize_linears
+from dflash2.runtime.packed import quantize_cached
+from dflash2.runtime.quant import WeightFormat, check_weight_format, int4_available
 
 __all__ = [
     "AutoregressiveDrafter",
@@ -91,7 +92,7 @@ def load_drafter(
     draft_model = load_decoder(checkpoint, target.dtype, target.device)
     check_same_tokenizer(tokenizer, load_tokenizer(checkpoint))
     copies = twin.halves(draft_model) if weights == "auto" and twin.bf16_pays(draft_model, fmt) else None
-    quantize_linears(draft_model, fmt)
+    quantize_cached(draft_model, fmt, checkpoint)
     return AutoregressiveDrafter(
         draft_model,
         target.spec.vocab_size,

@@ -125,7 +125,7 @@ def gguf_to_safetensors(gguf: Path) -> Path:
     file lock: processes converting the same file at once convert it once, and a crash midway
     leaves no entry (its temporary directory is removed by the next conversion).
     """
-    target = cache_dir() / "gguf" / f"{gguf.stem}-{_file_fingerprint(gguf)}"
+    target = cache_dir() / "gguf" / f"{gguf.stem}-{file_fingerprint(gguf)}"
     if (target / "config.json").is_file():
         _name_architecture(target)
         return target
@@ -194,7 +194,7 @@ def _name_architecture(folder: Path) -> None:
     os.replace(tmp, config)
 
 
-def _file_fingerprint(path: Path, chunk: int = 1 << 20) -> str:
+def file_fingerprint(path: Path, chunk: int = 1 << 20) -> str:
     """Hash of the size and the first and last MiB: cheap, and changes when the file does."""
     digest = hashlib.sha256(str(path.stat().st_size).encode())
     with path.open("rb") as f:

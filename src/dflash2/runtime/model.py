@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -285,13 +286,20 @@ class Decoder(nn.Module):
         :mod:`dflash2.runtime.linear`); the LM head keeps its weight (drafters may share it)."""
         pack_linears(self, release=True, keep=(self.lm_head,))
 
-    def quantize(self, fmt: WeightFormat) -> None:
+    def quantize(self, fmt: WeightFormat, source: Path | None = None) -> None:
         """Hold every projection and the LM head in ``fmt`` (:mod:`dflash2.runtime.quant`); call
         before :meth:`pack`. Its kernels round a row differently by how many rows they multiply,
         so every row must get the bits it gets alone: the projections are checked for that, and
         attention then runs row by row (:func:`attend_rows`). Verifying a block of drafts thus
-        computes each token exactly as decoding it alone would."""
-        quantize_linears(self, fmt)
+        computes each token exactly as decoding it alone would. ``source``: the checkpoint the
+        weights came from; the quantized layers are then kept in the cache for the next load
+        (:mod:`dflash2.runtime.packed`)."""
+        if source is None:
+            quantize_linears(self, fmt)
+        else:
+            from dflash2.runtime.packed import quantize_cached  # packed reads checkpoints: it imports this module
+
+            quantize_cached(self, fmt, source)
         self.weights = fmt
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -147,6 +147,33 @@ class QuantLinear(nn.Module):
             pairs = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
             self.register_buffer("scales", pairs.to(self.compute_dtype))
 
+    @classmethod
+    def restored(
+        cls,
+        fmt: Literal["int8", "int4"],
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        in_features: int,
+        out_features: int,
+    ) -> QuantLinear:
+        """A layer from the tensors an earlier one of ``fmt`` held (``qweight``, ``scales``, ``bias``
+        as its attributes); ``ValueError`` where they are not of that format and shape."""
+        n, k, half = out_features, in_features, torch.bfloat16
+        expected = {
+            "int8": ((n, k), torch.int8, (n,)),
+            "int4": ((n, k // 2), torch.uint8, (k // GROUP, n, 2)),
+        }[fmt]
+        if (tuple(qweight.shape), qweight.dtype, tuple(scales.shape)) != expected or scales.dtype != half:
+            raise ValueError(f"not an {fmt} weight of shape {[n, k]}")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features, layer.format, layer.compute_dtype = n, k, fmt, half
+        layer.bias = None if bias is None else nn.Parameter(bias.to(half), requires_grad=False)
+        layer.register_buffer("qweight", qweight)
+        layer.register_buffer("scales", scales)
+        return layer
+
     @staticmethod
     def fits(weight: torch.Tensor, fmt: Literal["int8", "int4"]) -> bool:
         """Whether the kernel of ``fmt`` takes a weight of this shape on its device."""

@@ -1,0 +1,130 @@
+"""Quantized weights kept in the cache, so that a model quantizes once per checkpoint and format.
+
+Quantizing a model at load takes time (Qwen2.5-Coder-1.5B to int4: about half a minute on a
+2-core CPU, most of it finding each group's grid), and gives the same tensors every time for the
+same weights. So the layers :func:`~dflash2.runtime.quant.quantize_linears` makes are stored once,
+as one safetensors file under the dflash2 cache dir (``DFLASH2_CACHE``), and later loads read them
+back instead. The entry's name holds a fingerprint of the checkpoint (its ``config.json``; the
+size, modification time, first and last MiB of each weight file), the format, the torch version
+and the CPU's vector capability (the int4 kernel's packed layout is torch's own); any change makes
+a new entry. An entry appears atomically; one that cannot be read or does not fit the model is
+quantized again and replaced. Where the cache cannot be written, the model is quantized each time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from dflash2.errors import CacheDirectoryError
+from dflash2.runtime.linear import Linear
+from dflash2.runtime.loader import cache_folder, file_fingerprint, safetensors_files
+from dflash2.runtime.quant import GROUP, HalfLinear, QuantLinear, WeightFormat, quantize_linears
+
+LAYOUT = 1  # bumped when what an entry holds changes
+
+
+def entry_name(checkpoint: Path, fmt: WeightFormat) -> str:
+    """The cache entry of ``checkpoint``'s linear layers in ``fmt`` on this torch and CPU."""
+    digest = hashlib.sha256()
+    digest.update((checkpoint / "config.json").read_bytes())
+    for name in safetensors_files(checkpoint):
+        path = checkpoint / name  # its time too: an edit in place that keeps the size and both ends
+        digest.update(f"{name}:{file_fingerprint(path)}:{path.stat().st_mtime_ns}".encode())
+    digest.update(f"{fmt}|{GROUP}|{LAYOUT}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}".encode())
+    return f"{checkpoint.name}-{fmt}-{digest.hexdigest()[:16]}.safetensors"
+
+
+def quantize_cached(module: nn.Module, fmt: WeightFormat, checkpoint: Path) -> nn.Module:
+    """:func:`~dflash2.runtime.quant.quantize_linears` for a model loaded from ``checkpoint``,
+    read from its cache entry when there is one (else quantized and stored); returns ``module``."""
+    if fmt == "same" or not any(isinstance(m, Linear) for m in module.modules()):
+        return module  # nothing to quantize
+    try:
+        folder = cache_folder("quantized")
+    except CacheDirectoryError:
+        return quantize_linears(module, fmt)
+    path = folder / entry_name(checkpoint, fmt)
+    if path.is_file() and _restore(module, path):
+        return module
+    quantize_linears(module, fmt)
+    _store(module, path)
+    return module
+
+
+def _store(module: nn.Module, path: Path) -> None:
+    formats: dict[str, str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, layer in module.named_modules():
+        if isinstance(layer, QuantLinear):
+            formats[name] = layer.format
+            tensors[f"{name}.qweight"], tensors[f"{name}.scales"] = layer.qweight, layer.scales
+        elif isinstance(layer, HalfLinear):
+            formats[name] = "bf16"
+            tensors[f"{name}.weight"] = layer.weight.detach()
+        else:
+            continue
+        if layer.bias is not None:
+            tensors[f"{name}.bias"] = layer.bias.detach()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.stem}-", suffix=".safetensors")
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"formats": json.dumps(formats)})
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a full disk or a read-only cache: the next load quantizes again
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _restore(module: nn.Module, path: Path) -> bool:
+    """Put the stored layers in place of ``module``'s linear layers; False (``module`` untouched)
+    where the entry cannot be read or does not hold exactly those layers in their shapes."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            formats = json.loads((f.metadata() or {}).get("formats", "{}"))
+            tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
+    except (SafetensorError, OSError, ValueError):
+        return False
+    targets = {name: layer for name, layer in module.named_modules() if isinstance(layer, Linear)}
+    if set(formats) != set(targets):
+        return False
+    built: dict[str, nn.Module] = {}
+    for name, layer in targets.items():
+        restored = _layer(formats[name], name, tensors, layer)
+        if restored is None:
+            return False
+        built[name] = restored
+    for name, restored in built.items():
+        parent, _, attribute = name.rpartition(".")
+        setattr(module.get_submodule(parent), attribute, restored)
+    return True
+
+
+def _layer(fmt: str, name: str, tensors: dict[str, torch.Tensor], like: Linear) -> nn.Module | None:
+    """The stored layer ``name`` in ``fmt``, or None where its tensors do not fit ``like``."""
+    bias, expected = tensors.get(f"{name}.bias"), like.bias
+    if (None if bias is None else bias.shape) != (None if expected is None else expected.shape):
+        return None
+    out_features, in_features = like.weight.shape
+    if fmt == "bf16":
+        weight = tensors.get(f"{name}.weight")
+        if weight is None or weight.shape != like.weight.shape or weight.dtype != torch.bfloat16:
+            return None
+        return HalfLinear(weight, bias)
+    qweight, scales = tensors.get(f"{name}.qweight"), tensors.get(f"{name}.scales")
+    if fmt not in ("int8", "int4") or qweight is None or scales is None:
+        return None
+    try:
+        return QuantLinear.restored(fmt, qweight, scales, bias, in_features, out_features)  # type: ignore[arg-type]
+    except ValueError:
+        return None
