@@ -111,3 +111,19 @@ def test_a_model_drafter_keeps_its_quantized_layers_too(
     assert len(list(cache.glob("drafter-int4-*.safetensors"))) == 1
     _no_quantizing(monkeypatch)
     assert dflash2.load(target, drafter=drafter).generate(PROMPT, max_new_tokens=12).token_ids == expected
+
+
+def test_a_cache_that_fails_to_write_only_costs_the_quantizing(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = save_tiny(tmp_path / "tiny", "llama", seed=5)
+    expected = dflash2.load(path, weights="int4").generate(PROMPT, max_new_tokens=12).token_ids
+    for entry in cache.glob("*.safetensors"):
+        entry.unlink()
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(packed.tempfile, "mkstemp", full_disk)
+    assert dflash2.load(path, weights="int4").generate(PROMPT, max_new_tokens=12).token_ids == expected
+    assert not list(cache.iterdir())

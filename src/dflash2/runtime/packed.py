@@ -74,15 +74,16 @@ def _store(module: nn.Module, path: Path) -> None:
             continue
         if layer.bias is not None:
             tensors[f"{name}.bias"] = layer.bias.detach()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.stem}-", suffix=".safetensors")
-    os.close(fd)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.stem}-", suffix=".safetensors")
+        os.close(fd)
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"formats": json.dumps(formats)})
         os.replace(tmp, path)
     except OSError:
         pass  # a full disk or a read-only cache: the next load quantizes again
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
 
 
