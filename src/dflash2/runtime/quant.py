@@ -130,22 +130,31 @@ class QuantLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fmt: Literal["int8", "int4"]) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.format = fmt
+        if fmt == "int8":
+            qweight, scales = quantize_int8(weight)
+        else:
+            q, scale, zero = quantize_int4(weight)
+            qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            scales = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()  # the kernel's [K / group, N, 2]
+        out_features, in_features = weight.shape
+        self._hold(fmt, qweight, scales.to(torch.bfloat16), bias, in_features, out_features)
+
+    def _hold(
+        self,
+        fmt: Literal["int8", "int4"],
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        in_features: int,
+        out_features: int,
+    ) -> None:
+        self.out_features, self.in_features, self.format = out_features, in_features, fmt
         self.compute_dtype = torch.bfloat16
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(self.compute_dtype), requires_grad=False)
         self.qweight: torch.Tensor
         self.scales: torch.Tensor
-        if fmt == "int8":
-            q, scale = quantize_int8(weight)
-            self.register_buffer("qweight", q)
-            self.register_buffer("scales", scale.to(self.compute_dtype))
-        else:
-            q, scale, zero = quantize_int4(weight)
-            self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-            # [K / group, N, 2]: the kernel's layout of (scale, zero) pairs
-            pairs = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
-            self.register_buffer("scales", pairs.to(self.compute_dtype))
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
 
     @classmethod
     def restored(
@@ -159,19 +168,16 @@ class QuantLinear(nn.Module):
     ) -> QuantLinear:
         """A layer from the tensors an earlier one of ``fmt`` held (``qweight``, ``scales``, ``bias``
         as its attributes); ``ValueError`` where they are not of that format and shape."""
-        n, k, half = out_features, in_features, torch.bfloat16
+        n, k = out_features, in_features
         expected = {
             "int8": ((n, k), torch.int8, (n,)),
             "int4": ((n, k // 2), torch.uint8, (k // GROUP, n, 2)),
         }[fmt]
-        if (tuple(qweight.shape), qweight.dtype, tuple(scales.shape)) != expected or scales.dtype != half:
+        if (tuple(qweight.shape), qweight.dtype, tuple(scales.shape)) != expected or scales.dtype != torch.bfloat16:
             raise ValueError(f"not an {fmt} weight of shape {[n, k]}")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.out_features, layer.in_features, layer.format, layer.compute_dtype = n, k, fmt, half
-        layer.bias = None if bias is None else nn.Parameter(bias.to(half), requires_grad=False)
-        layer.register_buffer("qweight", qweight)
-        layer.register_buffer("scales", scales)
+        layer._hold(fmt, qweight, scales, bias, in_features, out_features)
         return layer
 
     @staticmethod
