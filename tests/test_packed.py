@@ -5,14 +5,16 @@ or a damaged entry is quantized anew; an unwritable cache only costs the time.""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny import save_tiny
 
 import dflash2
-from dflash2.runtime import packed
+from dflash2.runtime import loader, packed
 from dflash2.runtime.loader import load_decoder
 from dflash2.runtime.quant import QuantLinear
 
@@ -33,6 +35,32 @@ def _layers(model: dflash2.Model) -> dict[str, tuple[torch.Tensor, ...]]:
     }
 
 
+def _reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The checkpoint tensors read from now on (their values, not just their shapes), by name."""
+    read: list[str] = []
+
+    class Recording:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.file = safe_open(*args, **kwargs)
+
+        def __enter__(self) -> Recording:
+            self.opened = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.file.__exit__(*exc)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.opened, name)
+
+        def get_tensor(self, key: str) -> torch.Tensor:
+            read.append(key)
+            return self.opened.get_tensor(key)
+
+    monkeypatch.setattr(loader, "safe_open", Recording)
+    return read
+
+
 def _no_quantizing(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object) -> None:
         raise AssertionError("quantized again although the cache holds the layers")
@@ -50,7 +78,9 @@ def test_a_second_load_reads_the_quantized_layers_back(
     assert len(list(cache.glob("*.safetensors"))) == 1
     expected = first.generate(PROMPT, max_new_tokens=12).token_ids
     _no_quantizing(monkeypatch)
+    read = _reads(monkeypatch)
     second = dflash2.load(path, weights=fmt)
+    assert read and not [name for name in read if name.endswith("_proj.weight")]  # nor are they checked
     mine, theirs = _layers(first), _layers(second)
     assert mine.keys() == theirs.keys() and len(mine) == 4 * second.target.spec.num_layers + 1
     for name in mine:
@@ -110,7 +140,10 @@ def test_a_model_drafter_keeps_its_quantized_layers_too(
     expected = dflash2.load(target, drafter=drafter).generate(PROMPT, max_new_tokens=12).token_ids
     assert len(list(cache.glob("drafter-int4-*.safetensors"))) == 1
     _no_quantizing(monkeypatch)
+    read = _reads(monkeypatch)
     assert dflash2.load(target, drafter=drafter).generate(PROMPT, max_new_tokens=12).token_ids == expected
+    assert read.count("model.embed_tokens.weight") == 2  # the target's and the drafter's
+    assert read.count("model.layers.0.mlp.down_proj.weight") == 1  # the fp32 target's only
 
 
 def test_a_cache_that_fails_to_write_only_costs_the_quantizing(

@@ -21,7 +21,7 @@ import dflash2
 from dflash2.drafters import autoregressive
 from dflash2.drafters.autoregressive import AutoregressiveDrafter
 from dflash2.runtime import twin
-from dflash2.runtime.loader import load_decoder
+from dflash2.runtime.loader import load_decoder, load_spec
 from dflash2.runtime.quant import HalfLinear, QuantLinear, quantize_linears
 
 LONG = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
@@ -62,17 +62,17 @@ def test_the_twin_shares_all_but_the_projections(paths: dict[str, Path]) -> None
 def test_a_twin_is_built_only_under_auto_where_bf16_pays(
     paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    loaded = load_decoder(paths["target"], torch.float32, torch.device("cpu"))
-    assert not twin.bf16_pays(loaded, "int4")  # a tiny model's prefill is cheap: nothing to time
+    spec, cpu = load_spec(paths["target"]), torch.device("cpu")
+    assert not twin.bf16_pays(spec, "int4", cpu)  # a tiny model's prefill is cheap: nothing to time
     monkeypatch.setattr(twin, "_SMALLEST", 0)
     timings = iter([1.0, 0.9])  # bf16, then int4: bf16 not clearly faster
     monkeypatch.setattr(twin, "_fastest", lambda layer, rows: next(timings))
-    assert not twin.bf16_pays(loaded, "int4")
+    assert not twin.bf16_pays(spec, "int4", cpu)
     timings = iter([0.7, 1.0])
-    assert twin.bf16_pays(loaded, "int4")
-    assert not twin.bf16_pays(loaded, "same") and not twin.bf16_pays(loaded, "bf16")
+    assert twin.bf16_pays(spec, "int4", cpu)
+    assert not twin.bf16_pays(spec, "same", cpu) and not twin.bf16_pays(spec, "bf16", cpu)
 
-    monkeypatch.setattr(twin, "bf16_pays", lambda model, fmt: True)
+    monkeypatch.setattr(twin, "bf16_pays", lambda spec, fmt, device: True)
     auto = dflash2.load(paths["target"], drafter=paths["target"])
     assert isinstance(auto.drafter, AutoregressiveDrafter) and auto.drafter.prefill is not None
     chosen = dflash2.load(paths["target"], drafter=paths["target"], drafter_weights="int4")
@@ -84,7 +84,7 @@ def test_prefills_on_the_twin_leave_greedy_output_unchanged(
     pipeline: str, paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plain = dflash2.load(paths["target"])
-    monkeypatch.setattr(twin, "bf16_pays", lambda model, fmt: True)
+    monkeypatch.setattr(twin, "bf16_pays", lambda spec, fmt, device: True)
     model = dflash2.load(paths["target"], drafter=["ngram", paths["random"]], block_size=4)
     drafter = model.drafter.model  # type: ignore[union-attr]
     assert isinstance(drafter, AutoregressiveDrafter) and drafter.prefill is not None
@@ -99,7 +99,7 @@ def test_prefills_on_the_twin_leave_greedy_output_unchanged(
 def test_sampling_with_a_twin_matches_the_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     target = save_tiny(tmp_path / "target", "llama", seed=2, std=0.15, **SMALL_VOCAB)
     draft = save_tiny(tmp_path / "draft", "llama", seed=9, std=0.15, **SMALL_VOCAB)
-    monkeypatch.setattr(twin, "bf16_pays", lambda model, fmt: True)
+    monkeypatch.setattr(twin, "bf16_pays", lambda spec, fmt, device: True)
     monkeypatch.setattr(autoregressive, "TWIN_ROWS", 4)  # the 8-token prompt's prefill runs on the twin
     config = CONFIGS[1]
     model = dflash2.load(target, drafter=draft, block_size=3)

@@ -40,8 +40,9 @@ from dflash2.engine.prefix_cache import PrefixCache
 from dflash2.errors import ContextLengthError, InvalidOptionError, StreamStateError
 from dflash2.runtime.device import resolve_device, resolve_dtype
 from dflash2.runtime.graphs import MAX_BUCKET, DecoderPool, buckets_up_to
-from dflash2.runtime.loader import load_decoder, load_eos_ids, load_tokenizer, resolve_checkpoint
+from dflash2.runtime.loader import load_eos_ids, load_tokenizer, resolve_checkpoint
 from dflash2.runtime.model import Decoder
+from dflash2.runtime.packed import load_quantized
 from dflash2.runtime.quant import check_target_weights, check_weight_format
 from dflash2.runtime.threads import Threads, check_threads
 from dflash2.runtime.workers import Workers, release_thread_pool
@@ -375,8 +376,8 @@ def load(
         )
     checkpoint = resolve_checkpoint(target)
     try:
-        decoder = load_decoder(checkpoint, resolved_dtype, resolved_device)
-        decoder.quantize(target_weights, checkpoint)
+        decoder = load_quantized(checkpoint, target_weights, resolved_dtype, resolved_device)
+        decoder.weights = target_weights  # its rows are computed alone: see Decoder.quantize
         decoder.pack()
         tokenizer = load_tokenizer(checkpoint)
         eos = load_eos_ids(checkpoint, decoder.spec)

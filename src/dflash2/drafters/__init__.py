@@ -25,12 +25,13 @@ from dflash2.runtime import twin
 from dflash2.runtime.loader import (
     load_decoder,
     load_safetensors,
+    load_spec,
     load_tokenizer,
     read_config,
     resolve_checkpoint,
 )
 from dflash2.runtime.model import Decoder
-from dflash2.runtime.packed import quantize_cached
+from dflash2.runtime.packed import load_quantized, quantize_cached
 from dflash2.runtime.quant import WeightFormat, check_weight_format, int4_available
 
 __all__ = [
@@ -89,10 +90,14 @@ def load_drafter(
         if weights != "auto":
             dflash.quantize(fmt)
         return dflash
-    draft_model = load_decoder(checkpoint, target.dtype, target.device)
+    copies = None
+    if weights == "auto" and twin.bf16_pays(load_spec(checkpoint), fmt, target.device):
+        draft_model = load_decoder(checkpoint, target.dtype, target.device)
+        copies = twin.halves(draft_model)  # from the full-precision weights, before quantizing
+        quantize_cached(draft_model, fmt, checkpoint)
+    else:
+        draft_model = load_quantized(checkpoint, fmt, target.dtype, target.device)
     check_same_tokenizer(tokenizer, load_tokenizer(checkpoint))
-    copies = twin.halves(draft_model) if weights == "auto" and twin.bf16_pays(draft_model, fmt) else None
-    quantize_cached(draft_model, fmt, checkpoint)
     return AutoregressiveDrafter(
         draft_model,
         target.spec.vocab_size,

@@ -19,6 +19,7 @@ from dflash2.runtime.spec import ModelSpec
 
 Shape = tuple[int, ...]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_PROJECTION = re.compile(r"(_proj\.weight|^lm_head\.weight)$")
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[Shape, str]]:
@@ -59,8 +60,17 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[Shape, str]]:
     return out
 
 
+def projection_names(spec: ModelSpec) -> list[str]:
+    """The checkpoint's weights that the model's linear layers (attention and dense MLP projections,
+    an untied LM head) are built from: the tensors a quantized model no longer holds."""
+    return [name for name in expected_shapes(spec) if _PROJECTION.search(name)]
+
+
 def check_weights(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], where: str) -> None:
-    """Raise :class:`CorruptCheckpointError` unless ``tensors`` are the weights ``spec`` describes."""
+    """Raise :class:`CorruptCheckpointError` unless ``tensors`` are the weights ``spec`` describes.
+
+    A tensor on the ``meta`` device (a weight read as its shape only) is checked for its name,
+    shape and dtype, not its values."""
     model = spec.model_type
     for name, (shape, fields) in expected_shapes(spec).items():
         tensor = tensors.get(name)
@@ -88,7 +98,7 @@ def check_weights(spec: ModelSpec, tensors: Mapping[str, torch.Tensor], where: s
                 f"{where}: {name} holds {str(tensor.dtype).removeprefix('torch.')} values; a model's weights are "
                 "floating point: the file is damaged, download it again."
             )
-        if not bool(torch.isfinite(tensor).all()):
+        if not tensor.is_meta and not bool(torch.isfinite(tensor).all()):
             raise CorruptCheckpointError(
                 f"{where}: {name} holds NaN or infinite values: the weights are damaged, download them again."
             )

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,14 @@ from dflash2.errors import (
     OfflineModelError,
     UnsupportedModelError,
 )
-from dflash2.runtime.checkpoint import check_weights
+from dflash2.runtime.checkpoint import check_weights, projection_names
 from dflash2.runtime.model import Decoder
 from dflash2.runtime.spec import SUPPORTED_MODEL_TYPES, ModelSpec
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 _TRUTHY = {"1", "true", "yes", "on"}
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def cache_dir() -> Path:
@@ -252,15 +254,17 @@ def safetensors_files(checkpoint: Path) -> list[str]:
     return files
 
 
-def load_safetensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a single-file or sharded (``model.safetensors.index.json``) checkpoint."""
+def load_safetensors(checkpoint: Path, shapes_only: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """Every tensor of a single-file or sharded (``model.safetensors.index.json``) checkpoint; those
+    named in ``shapes_only`` are not read: each is an empty tensor of its shape and dtype on the
+    ``meta`` device."""
     tensors: dict[str, torch.Tensor] = {}
     for name in safetensors_files(checkpoint):
         path = checkpoint / name
         try:
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    tensors[key] = f.get_tensor(key)
+                    tensors[key] = _shape_of(f.get_slice(key)) if key in shapes_only else f.get_tensor(key)
         except FileNotFoundError as err:
             raise ModelNotFoundError(f"{path} is missing (the index names it); download it again.") from err
         except (SafetensorError, OSError) as err:
@@ -269,9 +273,22 @@ def load_safetensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_decoder(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> Decoder:
-    spec = ModelSpec.from_hf_config(load_hf_config(checkpoint))
-    tensors = load_safetensors(checkpoint)
+def _shape_of(stored: Any) -> torch.Tensor:
+    dtype = _DTYPES.get(stored.get_dtype(), torch.uint8)  # any other is no model weight: check_weights says so
+    return torch.empty(stored.get_shape(), dtype=dtype, device="meta")
+
+
+def load_spec(checkpoint: Path) -> ModelSpec:
+    """What the checkpoint's ``config.json`` says about the model's shape."""
+    return ModelSpec.from_hf_config(load_hf_config(checkpoint))
+
+
+def load_decoder(checkpoint: Path, dtype: torch.dtype, device: torch.device, projections: bool = True) -> Decoder:
+    """The checkpoint's model, checked against its config. ``projections=False``: the weights of its
+    linear layers are not read (:func:`~dflash2.runtime.checkpoint.projection_names`, checked by
+    shape only) and stay on the ``meta`` device, for a caller that puts quantized layers in their place."""
+    spec = load_spec(checkpoint)
+    tensors = load_safetensors(checkpoint, () if projections else frozenset(projection_names(spec)))
     check_weights(spec, tensors, str(checkpoint))
     try:
         return Decoder.from_hf_state(spec, tensors, dtype, device)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import cast
 
 import torch
@@ -286,20 +285,14 @@ class Decoder(nn.Module):
         :mod:`dflash2.runtime.linear`); the LM head keeps its weight (drafters may share it)."""
         pack_linears(self, release=True, keep=(self.lm_head,))
 
-    def quantize(self, fmt: WeightFormat, source: Path | None = None) -> None:
-        """Hold every projection and the LM head in ``fmt`` (:mod:`dflash2.runtime.quant`); call
-        before :meth:`pack`. Its kernels round a row differently by how many rows they multiply,
-        so every row must get the bits it gets alone: the projections are checked for that, and
-        attention then runs row by row (:func:`attend_rows`). Verifying a block of drafts thus
-        computes each token exactly as decoding it alone would. ``source``: the checkpoint the
-        weights came from; the quantized layers are then kept in the cache for the next load
-        (:mod:`dflash2.runtime.packed`)."""
-        if source is None:
-            quantize_linears(self, fmt)
-        else:
-            from dflash2.runtime.packed import quantize_cached  # packed reads checkpoints: it imports this module
-
-            quantize_cached(self, fmt, source)
+    def quantize(self, fmt: WeightFormat) -> None:
+        """Hold every projection and the LM head in ``fmt`` (:mod:`dflash2.runtime.quant`; loading
+        through the cache: :func:`dflash2.runtime.packed.load_quantized`); call before :meth:`pack`.
+        Its kernels round a row differently by how many rows they multiply, so every row must get
+        the bits it gets alone: the projections are checked for that, and attention then runs row by
+        row (:func:`attend_rows`). Verifying a block of drafts thus computes each token exactly as
+        decoding it alone would. ``weights`` says which format the rows are computed alone for."""
+        quantize_linears(self, fmt)
         self.weights = fmt
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -455,7 +448,9 @@ class Decoder(nn.Module):
         model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
         if spec.tie_word_embeddings:
             model.lm_head.weight = cast(nn.Parameter, model.embed_tokens.weight)
-        return model.to(device).eval().requires_grad_(False)
+        if device.type != "cpu":  # the tensors were read to the CPU; weights left on "meta" stay there
+            model = model.to(device)
+        return model.eval().requires_grad_(False)
 
 
 def _fuse_hf_state(spec: ModelSpec, t: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

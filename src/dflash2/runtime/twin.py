@@ -23,6 +23,7 @@ import torch
 from dflash2.runtime.linear import Linear
 from dflash2.runtime.model import MLP, Decoder, DecoderLayer
 from dflash2.runtime.quant import HalfLinear, WeightFormat, quantize_linear
+from dflash2.runtime.spec import ModelSpec
 
 TWIN_ROWS = 32  # forwards over at least this many tokens run on the twin
 _PROBE_ROWS = 64
@@ -50,16 +51,20 @@ def _layers(model: Decoder) -> list[DecoderLayer]:
     return [cast(DecoderLayer, layer) for layer in model.layers]
 
 
-def bf16_pays(model: Decoder, fmt: WeightFormat) -> bool:
-    """Whether a bf16 product over many rows is clearly faster than ``fmt``'s on this CPU (timed on
-    the model's largest projection, before it is quantized: ``model`` holds plain weights)."""
-    if model.device.type != "cpu" or fmt not in ("int8", "int4"):
+def bf16_pays(spec: ModelSpec, fmt: WeightFormat, device: torch.device) -> bool:
+    """Whether a bf16 product over many rows is clearly faster than ``fmt``'s on this CPU for a model
+    of ``spec`` (timed on random weights in the shape of its largest projection: no weight is read)."""
+    if device.type != "cpu" or fmt not in ("int8", "int4"):
         return False
-    largest = max(_linears(model).values(), key=lambda layer: layer.weight.numel(), default=None)
-    if largest is None or largest.weight.numel() < _SMALLEST:
+    with torch.device("meta"):
+        shapes = [layer.weight.shape for layer in _linears(Decoder(spec)).values()]
+    largest = max(shapes, key=lambda shape: shape.numel(), default=None)
+    if largest is None or largest.numel() < _SMALLEST:
         return False
-    half, quantized = HalfLinear(largest.weight, None), quantize_linear(largest, fmt)
-    rows = torch.randn(_PROBE_ROWS, largest.weight.shape[1], dtype=model.dtype)
+    probe = Linear(largest[1], largest[0])
+    probe.weight = torch.nn.Parameter(torch.randn(largest) * 0.02, requires_grad=False)
+    half, quantized = HalfLinear(probe.weight, None), quantize_linear(probe, fmt)
+    rows = torch.randn(_PROBE_ROWS, largest[1])
     with torch.inference_mode():
         return _fastest(half, rows) <= _MARGIN * _fastest(quantized, rows)
 
