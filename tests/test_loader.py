@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,10 @@ def test_gguf_is_converted_once_then_cached(smollm2_gguf: Path, smollm2: dflash2
     assert "quantization_config" not in config
     assert config["architectures"] == ["LlamaForCausalLM"]  # other tools (llama.cpp's converter) need it
     assert smollm2.target.spec.num_layers == 30
+    mask = os.umask(0o022)
+    os.umask(mask)  # the folder and its files as any other the user makes, not private temporaries
+    assert stat.S_IMODE(converted.stat().st_mode) == 0o777 & ~mask
+    assert {stat.S_IMODE(f.stat().st_mode) for f in converted.iterdir()} == {0o666 & ~mask}
 
 
 @pytest.mark.smollm2

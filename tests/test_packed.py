@@ -4,12 +4,14 @@ or a damaged entry is quantized anew; an unwritable cache only costs the time.""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tiny import save_tiny
 
@@ -158,5 +160,37 @@ def test_a_cache_that_fails_to_write_only_costs_the_quantizing(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(packed.tempfile, "mkstemp", full_disk)
+    assert dflash2.load(path, weights="int4").generate(PROMPT, max_new_tokens=12).token_ids == expected
+    assert not list(cache.iterdir())
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_an_entry_is_readable_as_the_umask_allows(cache: Path, tmp_path: Path) -> None:
+    """Entries are written through private temporary files; the entry itself gets the usual mode
+    (a cache warmed by one user, e.g. while building a container image, serves the others)."""
+    path = save_tiny(tmp_path / "tiny", "llama", seed=5)
+    dflash2.load(path, weights="int4")
+    (entry,) = cache.glob("*.safetensors")
+    assert stat.S_IMODE(entry.stat().st_mode) == 0o666 & ~_umask()
+
+
+def test_a_failing_safetensors_write_only_costs_the_quantizing(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors reports a failed write (a full disk, a vanished folder) as its own error type."""
+    path = save_tiny(tmp_path / "tiny", "llama", seed=5)
+    expected = dflash2.load(path, weights="int4").generate(PROMPT, max_new_tokens=12).token_ids
+    for entry in cache.glob("*.safetensors"):
+        entry.unlink()
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(packed, "save_file", full_disk)
     assert dflash2.load(path, weights="int4").generate(PROMPT, max_new_tokens=12).token_ids == expected
     assert not list(cache.iterdir())

@@ -146,10 +146,21 @@ def gguf_to_safetensors(gguf: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".tmp-{target.name}-"))
         try:
             _convert_gguf(gguf, tmp)
+            share_as_umask(tmp)
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def share_as_umask(path: Path) -> None:
+    """Give ``path`` (a file, or a folder and the files in it) the modes the process's umask gives
+    new files: temporary files and folders (``tempfile``, safetensors' own atomic writes) are
+    private, and a cache entry made from one must serve every user the umask lets read it."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for item in [path, *(path.iterdir() if path.is_dir() else ())]:
+        os.chmod(item, (0o777 if item.is_dir() else 0o666) & ~mask)
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

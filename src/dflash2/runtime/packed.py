@@ -29,7 +29,7 @@ from torch import nn
 
 from dflash2.errors import CacheDirectoryError
 from dflash2.runtime.linear import Linear
-from dflash2.runtime.loader import cache_folder, file_fingerprint, load_decoder, safetensors_files
+from dflash2.runtime.loader import cache_folder, file_fingerprint, load_decoder, safetensors_files, share_as_umask
 from dflash2.runtime.model import Decoder
 from dflash2.runtime.quant import GROUP, HalfLinear, QuantLinear, WeightFormat, quantize_linears
 
@@ -109,8 +109,9 @@ def _store(module: nn.Module, path: Path) -> None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.stem}-", suffix=".safetensors")
         os.close(fd)
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"formats": json.dumps(formats)})
+        share_as_umask(Path(tmp))
         os.replace(tmp, path)
-    except OSError:
+    except (OSError, SafetensorError):  # safetensors reports its failed writes as SafetensorError
         pass  # a full disk or a read-only cache: the next load quantizes again
     finally:
         if tmp is not None and os.path.exists(tmp):
