@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tiny import save_tiny, save_tiny_dflash
 
@@ -35,6 +36,7 @@ from dflash2 import (
 )
 from dflash2.drafters import Draft, DraftContext, Outcome
 from dflash2.engine import DraftLengthPolicy, OverlapPolicy
+from dflash2.runtime import loader
 from dflash2.runtime.loader import cache_dir
 
 PROMPT = "The quick brown fox"
@@ -373,6 +375,20 @@ def test_damaged_gguf_files(damage: str, tmp_path: Path) -> None:
     raises_quickly(CorruptCheckpointError, "download it again", lambda: dflash2.load(gguf))
     left = [p.name for p in (cache_dir() / "gguf").iterdir() if p.name.startswith((f"{damage}-", f".tmp-{damage}"))]
     assert left == [f for f in left if f.endswith(".lock")]  # nothing half-written
+
+
+def test_a_full_disk_while_converting_a_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.symlink_to(_gguf_source())
+
+    def full_disk(*args: object, **kwargs: object) -> None:  # as safetensors reports it
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(loader, "save_file", full_disk)
+    with pytest.raises(CacheDirectoryError, match=r"No space left.*free space there or set DFLASH2_CACHE"):
+        dflash2.load(gguf)
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.endswith(".lock")] == []
 
 
 @pytest.mark.parametrize("place", ["a-file", "under-a-file", "proc"])

@@ -148,6 +148,13 @@ def gguf_to_safetensors(gguf: Path) -> Path:
             _convert_gguf(gguf, tmp)
             share_as_umask(tmp)
             os.replace(tmp, target)
+        except DFlash2Error:
+            raise
+        except (OSError, SafetensorError) as err:  # a full disk: safetensors reports it as its own error
+            raise CacheDirectoryError(
+                f"dflash2 could not write the converted {gguf.name} under {target.parent} ({err}); free space "
+                "there or set DFLASH2_CACHE to a directory with room for the dequantized weights."
+            ) from err
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
