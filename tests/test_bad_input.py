@@ -315,7 +315,7 @@ def test_a_config_that_disagrees_with_the_weights(
 
 
 TENSOR_DAMAGES = [("transposed", "has shape"), ("one-row-more", "has shape"), ("integers", "holds int32 values"),
-                  ("nan", "NaN or infinite")]  # fmt: skip
+                  ("nan", "NaN or infinite"), ("infinity", "NaN or infinite")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("damage", "hint"), TENSOR_DAMAGES)
@@ -330,6 +330,9 @@ def test_every_damaged_tensor_is_named(damage: str, hint: str, paths: dict[str, 
             "one-row-more": lambda t: torch.cat([t, t[:1]]),
             "integers": lambda t: t.to(torch.int32),
             "nan": lambda t: t.clone().flatten().index_fill(0, torch.tensor([0]), float("nan")).view_as(t),
+            "infinity": lambda t: (
+                t.clone().flatten().index_fill(0, torch.tensor([t.numel() - 1]), -math.inf).view_as(t)
+            ),
         }[damage](tensor)
         broken = tmp_path / f"{damage}-{name}"
         shutil.copytree(paths["target"], broken)
