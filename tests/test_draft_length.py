@@ -8,7 +8,9 @@ depend on this machine's timing; speed itself is measured in the benchmarks.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_speculative import ScriptedDrafter
@@ -16,6 +18,7 @@ from tiny import SPEC_PROMPTS
 
 import dflash2
 from dflash2 import InvalidOptionError
+from dflash2.drafters import Draft, DraftContext
 from dflash2.engine import DraftLengthPolicy
 from dflash2.engine.draft_length import DraftLength, best_length, expected_yield, worth_more
 
@@ -153,6 +156,34 @@ def test_seeded_sampling_keeps_whole_blocks(paths: dict[str, Path]) -> None:
 def test_calibration_times_every_block_length(paths: dict[str, Path]) -> None:
     model = dflash2.load(paths["target"], drafter="ngram")
     assert set(model.lengths.summary()["verify_s"]) == set(range(1, model.drafter.block_size + 1))  # type: ignore[union-attr]
+
+
+class CatchingUp(ScriptedDrafter):
+    """Right drafts, each in no time, but the first of a session takes 0.5 s: the session catches
+    up on the prompt then, as a model drafter prefills its own cache on its first draft."""
+
+    def start(self, context: DraftContext) -> Any:
+        session = super().start(context)
+        propose = session.propose
+
+        def first(max_tokens: int) -> Draft:
+            time.sleep(0.5)
+            session.propose = propose
+            return propose(max_tokens)
+
+        session.propose = first
+        return session
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_a_sessions_catch_up_on_the_prompt_is_not_priced_as_drafting(paths: dict[str, Path], pipeline: str) -> None:
+    plain = dflash2.load(paths["target"])
+    truth = list(plain.generate(SPEC_PROMPTS[1], max_new_tokens=40).token_ids)
+    model = dflash2.load(paths["target"], drafter=CatchingUp(truth, [99]))  # every draft right
+    completion = model.generate(SPEC_PROMPTS[1], max_new_tokens=40, pipeline=pipeline)
+    assert list(completion.token_ids) == truth
+    assert max(model.lengths.summary()["draft_s"].values()) < 0.05  # the 0.5 s is no draft's price
+    assert completion.stats.steps <= 40 // 4  # so the drafts after the first went on in whole blocks
 
 
 def test_a_shared_forward_prices_a_stream_at_its_share() -> None:

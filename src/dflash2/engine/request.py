@@ -181,6 +181,7 @@ class Request:
         self.cached_tokens = 0  # prompt tokens whose state came from the prefix cache
         self._features: list[torch.Tensor] = []
         self._resume: Any = None  # the drafter's stored state, for its session
+        self._caught_up: set[str] = set()  # draft sources whose first draft (and catch-up) is behind
 
     @property
     def steps(self) -> DecoderPool | None:
@@ -359,7 +360,11 @@ class Request:
         check_draft(draft, wanted, self.target.spec.vocab_size, self.drafter.name)
         self.counters.draft_s += seconds
         if self.lengths is not None and len(draft) > 0:
-            self.lengths.policy.record_draft(len(draft), seconds, self.lengths.source)
+            source = self.lengths.source
+            if source in self._caught_up:
+                self.lengths.policy.record_draft(len(draft), seconds, source)
+            else:  # a session's first draft also caught up on the prompt (a model drafter's prefill): no draft's price
+                self._caught_up.add(source)
         return dataclasses.replace(draft, tokens=draft.tokens.to(self.target.device))
 
     def block(self, draft: Draft) -> torch.Tensor:
