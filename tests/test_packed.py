@@ -148,18 +148,32 @@ def test_a_model_drafter_keeps_its_quantized_layers_too(
     assert read.count("model.layers.0.mlp.down_proj.weight") == 1  # the fp32 target's only
 
 
+# a full disk, where the temporary file is made and where safetensors writes it (it reports
+# its failed writes, a full disk or a vanished folder, as its own error type)
+FAILED_WRITES = {
+    "mkstemp": (packed.tempfile, "mkstemp", OSError(28, "No space left on device")),
+    "save_file": (
+        packed,
+        "save_file",
+        SafetensorError("Error while serializing: I/O error: No space left (os error 28)"),
+    ),
+}
+
+
+@pytest.mark.parametrize("where", FAILED_WRITES)
 def test_a_cache_that_fails_to_write_only_costs_the_quantizing(
-    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     path = save_tiny(tmp_path / "tiny", "llama", seed=5)
     expected = dflash2.load(path, weights="int4").generate(PROMPT, max_new_tokens=12).token_ids
     for entry in cache.glob("*.safetensors"):
         entry.unlink()
+    owner, name, error = FAILED_WRITES[where]
 
     def full_disk(*args: object, **kwargs: object) -> None:
-        raise OSError(28, "No space left on device")
+        raise error
 
-    monkeypatch.setattr(packed.tempfile, "mkstemp", full_disk)
+    monkeypatch.setattr(owner, name, full_disk)
     assert dflash2.load(path, weights="int4").generate(PROMPT, max_new_tokens=12).token_ids == expected
     assert not list(cache.iterdir())
 
@@ -177,20 +191,3 @@ def test_an_entry_is_readable_as_the_umask_allows(cache: Path, tmp_path: Path) -
     dflash2.load(path, weights="int4")
     (entry,) = cache.glob("*.safetensors")
     assert stat.S_IMODE(entry.stat().st_mode) == 0o666 & ~_umask()
-
-
-def test_a_failing_safetensors_write_only_costs_the_quantizing(
-    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """safetensors reports a failed write (a full disk, a vanished folder) as its own error type."""
-    path = save_tiny(tmp_path / "tiny", "llama", seed=5)
-    expected = dflash2.load(path, weights="int4").generate(PROMPT, max_new_tokens=12).token_ids
-    for entry in cache.glob("*.safetensors"):
-        entry.unlink()
-
-    def full_disk(*args: object, **kwargs: object) -> None:
-        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-
-    monkeypatch.setattr(packed, "save_file", full_disk)
-    assert dflash2.load(path, weights="int4").generate(PROMPT, max_new_tokens=12).token_ids == expected
-    assert not list(cache.iterdir())

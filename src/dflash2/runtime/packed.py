@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -33,6 +34,7 @@ from dflash2.runtime.loader import cache_folder, file_fingerprint, load_decoder,
 from dflash2.runtime.model import Decoder
 from dflash2.runtime.quant import GROUP, HalfLinear, QuantLinear, WeightFormat, quantize_linears
 
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 LAYOUT = 1  # bumped when what an entry holds changes
 
 
@@ -59,11 +61,7 @@ def load_quantized(checkpoint: Path, fmt: WeightFormat, dtype: torch.dtype, devi
         shell = load_decoder(checkpoint, dtype, device, projections=False)
         if _restore(shell, path):
             return shell
-    decoder = load_decoder(checkpoint, dtype, device)
-    quantize_linears(decoder, fmt)
-    if path is not None:
-        _store(decoder, path)
-    return decoder
+    return _quantize_and_store(load_decoder(checkpoint, dtype, device), fmt, path)
 
 
 def quantize_cached(module: nn.Module, fmt: WeightFormat, checkpoint: Path) -> nn.Module:
@@ -75,6 +73,11 @@ def quantize_cached(module: nn.Module, fmt: WeightFormat, checkpoint: Path) -> n
     path = _entry(checkpoint, fmt)
     if path is not None and path.is_file() and _restore(module, path):
         return module
+    return _quantize_and_store(module, fmt, path)
+
+
+def _quantize_and_store(module: ModuleT, fmt: WeightFormat, path: Path | None) -> ModuleT:
+    """``module`` quantized to ``fmt`` in place, its layers stored at ``path`` (None: not kept)."""
     quantize_linears(module, fmt)
     if path is not None:
         _store(module, path)
