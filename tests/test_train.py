@@ -159,6 +159,70 @@ def test_data_cache_grows_and_never_mixes_prompts(target: Path, tmp_path: Path) 
     assert answer(prompts, (1, 2), shared / "responses.rank1.jsonl") == [*grown, answer(prompts)[3]]
 
 
+def test_training_data_resumes_after_a_write_cut_short(
+    target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run killed while writing (or out of disk) leaves a torn last response line and a torn
+    feature file: the next run redoes them instead of failing to read them; a failed write is an
+    OutputDirectoryError saying what to do."""
+    from safetensors import SafetensorError
+
+    from dflash2.train import data
+    from dflash2.train.data import cache_features, generate_responses, load_sequences
+
+    model = dflash2.load(target)
+    path = tmp_path / "responses.jsonl"
+    prompts = ["abc", "hello", "xyz"]
+    whole = generate_responses(model, prompts, path, 6, 32, 0.0, 1.0, 2, 0, progress=False)
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:2]) + lines[2][:15])  # the last record cut off mid-line
+    assert generate_responses(model, prompts, path, 6, 32, 0.0, 1.0, 2, 0, progress=False) == whole
+    assert sorted(json.loads(line)["index"] for line in path.read_text().splitlines()) == [0, 1, 2]
+    files = cache_features(model, whole, (0, 1), tmp_path / "f", progress=False)
+    files[1].write_bytes(files[1].read_bytes()[:100])
+    again = load_sequences(cache_features(model, whole, (0, 1), tmp_path / "f", progress=False))
+    assert [q.ids.tolist() for q in again] == [p + r for p, r in whole.values()]
+
+    def full_disk(*args: Any, **kwargs: Any) -> None:
+        raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+
+    monkeypatch.setattr(data, "save_file", full_disk)
+    files[0].unlink()
+    with pytest.raises(dflash2.OutputDirectoryError, match=r"No space left.*Free space there"):
+        cache_features(model, whole, (0, 1), tmp_path / "f", progress=False)
+
+
+def test_a_checkpoint_cut_off_while_written_is_never_resumed_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors import SafetensorError
+
+    from dflash2.train import trainer
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    checkpoints = trainer._Checkpoints(tmp_path, keep_every=1000)
+    checkpoints.save(6, model, optimizer, {"history": []})  # type: ignore[arg-type]
+    save_file = trainer.save_file
+
+    def full_disk(tensors: dict[str, torch.Tensor], filename: str, metadata: Any = None) -> None:
+        if "optimizer" in filename:
+            raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+        save_file(tensors, filename, metadata)
+
+    monkeypatch.setattr(trainer, "save_file", full_disk)
+    with pytest.raises(dflash2.OutputDirectoryError, match=r"step 12.*No space left.*resumes"):
+        checkpoints.save(12, model, optimizer, {"history": []})  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000006"]  # nothing half written left
+    cut = tmp_path / "step-000018"  # what a run killed while saving left before checkpoints were atomic
+    cut.mkdir()
+    (cut / "model.safetensors").write_bytes(b"\0" * 10)
+    assert checkpoints.latest() == tmp_path / "step-000006"
+    assert checkpoints.restore(tmp_path / "step-000006", model, optimizer)["step"] == 6  # type: ignore[arg-type]
+
+
 def test_prompts_file(tmp_path: Path) -> None:
     file = tmp_path / "p.jsonl"
     file.write_text('{"prompt": "def f(x):"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')

@@ -54,5 +54,10 @@ class CacheDirectoryError(DFlash2Error, OSError):
     """dflash2's cache directory (``DFLASH2_CACHE``) cannot be created or written."""
 
 
+class OutputDirectoryError(DFlash2Error, OSError):
+    """A drafter training run cannot write its output directory (``--out``): a full disk, a
+    read-only folder. What it wrote before stays, and the same command resumes from it."""
+
+
 class MissingDependencyError(DFlash2Error, ImportError):
     """An optional dependency needed for this feature is not installed."""

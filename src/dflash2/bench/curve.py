@@ -18,6 +18,7 @@ from dflash2.bench.data import Prompt
 from dflash2.bench.report import Panel, checked, lines_of, plot_lines, table
 from dflash2.drafters.dflash import DFlashSpec, load_dflash_drafter, ours_to_zlab
 from dflash2.engine.draft_length import DraftLengthPolicy
+from dflash2.train.trainer import whole_checkpoints
 
 
 @dataclass
@@ -30,10 +31,6 @@ class CurvePoint:
     dataset: str
 
 
-def checkpoint_steps(run: Path) -> list[Path]:
-    return sorted((run / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-
-
 def acceptance_curve(
     model: Model, run: Path, prompts: Sequence[Prompt], max_new_tokens: int, references: dict[int, tuple[int, ...]]
 ) -> list[CurvePoint]:
@@ -41,7 +38,7 @@ def acceptance_curve(
     config = json.loads((run / "drafter" / "config.json").read_text())
     spec = DFlashSpec.from_config(config)
     points = []
-    for path in checkpoint_steps(run):
+    for path in whole_checkpoints(run / "checkpoints"):
         state = json.loads((path / "state.json").read_text())
         tokens = int(sum(sum(h["labels"]) for h in state["history"]))
         tensors = ours_to_zlab(spec, load_file(str(path / "model.safetensors")))

@@ -9,21 +9,23 @@ response carries a hash of its prompt, so a cache is never paired with other pro
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from dflash2.api import Model
 from dflash2.config import SamplingConfig
-from dflash2.errors import InvalidOptionError
+from dflash2.errors import DFlash2Error, InvalidOptionError, OutputDirectoryError
 from dflash2.tokenize import encode_prompt
 from dflash2.train.corpus import Prompt
 from dflash2.train.generate import generate_batch
@@ -40,6 +42,34 @@ class TrainingSequence:
     greedy: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     # on-policy refinement: the anchors where the refined drafter's blocks were rejected
     errors: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+
+@contextlib.contextmanager
+def writing(what: str, where: Path) -> Iterator[None]:
+    """A failed write of ``what`` under ``where`` (a full disk, a read-only folder; safetensors
+    reports its own as ``SafetensorError``) as an ``OutputDirectoryError`` saying what to do."""
+    try:
+        yield
+    except (OSError, SafetensorError) as err:
+        if isinstance(err, DFlash2Error):
+            raise
+        raise OutputDirectoryError(
+            f"could not write {what} under {where}: {err}. Free space there (or train with --out on a disk "
+            "with room) and run the same command again: it resumes from what was written."
+        ) from err
+
+
+def read_records(path: Path, repair: bool = False) -> list[dict[str, Any]]:
+    """The JSON lines of ``path`` (none where it is missing). A last line an interrupted write cut
+    short is skipped, and with ``repair`` cut off the file, so that appending starts on a new line."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if repair and end < len(data):
+        with path.open("r+b") as f:
+            f.truncate(end)
+    return [json.loads(line) for line in data[:end].decode().splitlines() if line.strip()]
 
 
 def generate_responses(
@@ -66,8 +96,7 @@ def generate_responses(
     keys = [prompt_key(e) for e in encoded]
     done: dict[int, list[int]] = {}
     for cached in sorted(path.parent.glob(f"{path.name.split('.')[0]}*{path.suffix}")):
-        for line in cached.read_text().splitlines():
-            record = json.loads(line)
+        for record in read_records(cached, repair=cached == path):  # only this process appends to ``path``
             index = int(record["index"])
             if index >= len(encoded):
                 continue
@@ -79,22 +108,23 @@ def generate_responses(
             done[index] = [int(t) for t in record["response"]]
     rank, world = part
     todo = sorted((i for i in range(rank, len(encoded), world) if i not in done), key=lambda i: len(encoded[i]))
-    path.parent.mkdir(parents=True, exist_ok=True)
     mine = len(range(rank, len(encoded), world))
     bar = tqdm(total=mine, initial=mine - len(todo), disable=not progress, desc="self-distil", unit="prompt")
-    with path.open("a") as sink:
-        for start in range(0, len(todo), batch):
-            chunk = todo[start : start + batch]
-            greedy = random.Random(seed * 1_000_003 + chunk[0]).random() < greedy_share
-            sampling = SamplingConfig(temperature=0.0 if greedy else temperature, seed=seed + start)
-            responses = generate_batch(
-                model.target, [encoded[i] for i in chunk], max_new_tokens, sampling, model.eos_token_ids
-            )
-            for i, response in zip(chunk, responses, strict=True):
-                done[i] = response
-                sink.write(json.dumps({"index": i, "prompt": keys[i], "response": response}) + "\n")
-            sink.flush()
-            bar.update(len(chunk))
+    with writing("the self-distilled responses", path.parent):  # on close too: a full disk fails the last flush
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as sink:
+            for start in range(0, len(todo), batch):
+                chunk = todo[start : start + batch]
+                greedy = random.Random(seed * 1_000_003 + chunk[0]).random() < greedy_share
+                sampling = SamplingConfig(temperature=0.0 if greedy else temperature, seed=seed + start)
+                responses = generate_batch(
+                    model.target, [encoded[i] for i in chunk], max_new_tokens, sampling, model.eos_token_ids
+                )
+                for i, response in zip(chunk, responses, strict=True):
+                    done[i] = response
+                    sink.write(json.dumps({"index": i, "prompt": keys[i], "response": response}) + "\n")
+                sink.flush()
+                bar.update(len(chunk))
     bar.close()
     return {i: (encoded[i], done[i]) for i in sorted(done)}
 
@@ -109,7 +139,8 @@ def cache_features(
 ) -> list[Path]:
     """Teacher-forced target features of every sequence, one file each (named by its index);
     files that already hold their sequence are kept, others (re)computed."""
-    directory.mkdir(parents=True, exist_ok=True)
+    with writing("the target's features", directory):
+        directory.mkdir(parents=True, exist_ok=True)
     files = []
     for index, (prompt, response) in tqdm(pairs.items(), disable=not progress, desc="features", unit="seq"):
         file = directory / f"{index:05d}.safetensors"
@@ -122,7 +153,8 @@ def cache_features(
         ids = torch.tensor(prompt + response)
         [seq] = with_features(model, [TrainingSequence(ids, len(prompt))], layer_ids)
         tensors = {"ids": ids, "prompt_len": torch.tensor([len(prompt)]), "greedy": seq.greedy.cpu()}
-        save_file({**tensors, "features": seq.features.to(torch.float16).cpu().contiguous()}, str(file))
+        with writing("the target's features", directory):
+            save_file({**tensors, "features": seq.features.to(torch.float16).cpu().contiguous()}, str(file))
     return [f for f in files if f.is_file()]
 
 
@@ -152,12 +184,16 @@ def prompt_key(prompt_ids: Sequence[int]) -> str:
 
 
 def _holds(file: Path, ids: list[int]) -> bool:
-    """Whether ``file`` is a finished feature file of exactly the sequence ``ids``."""
+    """Whether ``file`` is a finished feature file of exactly the sequence ``ids`` (not one an
+    interrupted write cut short)."""
     if not file.is_file():
         return False
-    with safe_open(str(file), framework="pt") as f:
-        names = set(f.keys())
-        return "greedy" in names and f.get_tensor("ids").tolist() == ids
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            names = set(f.keys())
+            return "greedy" in names and f.get_tensor("ids").tolist() == ids
+    except (SafetensorError, OSError):
+        return False
 
 
 def load_sequences(files: Sequence[Path]) -> list[TrainingSequence]:

@@ -26,7 +26,7 @@ from dflash2.api import Model
 from dflash2.config import GenerationConfig, SamplingConfig
 from dflash2.engine import DraftLengthPolicy, Request
 from dflash2.errors import InvalidOptionError
-from dflash2.train.data import prompt_key
+from dflash2.train.data import prompt_key, read_records, writing
 
 
 @dataclass(frozen=True)
@@ -87,30 +87,29 @@ def collect(
         raise InvalidOptionError("on-policy data needs a drafter: the one to refine.")
     keys = [prompt_key(p) for p in prompts]
     done: dict[int, Run] = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            index = int(record["index"])
-            if index >= len(prompts):
-                continue
-            if record["prompt"] != keys[index]:
-                raise InvalidOptionError(
-                    f"{path} holds on-policy runs of other prompts (prompt {index} differs); refine with a new --out."
-                )
-            steps = tuple(Step(a, tuple(p), k) for a, p, k in record["steps"])
-            done[index] = Run(prompts[index], [int(t) for t in record["response"]], steps)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    for record in read_records(path, repair=True):
+        index = int(record["index"])
+        if index >= len(prompts):
+            continue
+        if record["prompt"] != keys[index]:
+            raise InvalidOptionError(
+                f"{path} holds on-policy runs of other prompts (prompt {index} differs); refine with a new --out."
+            )
+        steps = tuple(Step(a, tuple(p), k) for a, p, k in record["steps"])
+        done[index] = Run(prompts[index], [int(t) for t in record["response"]], steps)
     bar = tqdm(total=len(prompts), initial=len(done), disable=not progress, desc="on-policy", unit="prompt")
-    with path.open("a") as sink:
-        for index, prompt in enumerate(prompts):
-            if index in done:
-                continue
-            run = model.workers.verify.call(functools.partial(run_one, model, prompt, max_new_tokens))
-            done[index] = run
-            recorded = [[s.anchor, list(s.proposed), s.accepted] for s in run.steps]
-            entry = {"index": index, "prompt": keys[index], "response": run.response, "steps": recorded}
-            sink.write(json.dumps(entry) + "\n")
-            sink.flush()
-            bar.update()
+    with writing("the on-policy runs", path.parent):  # on close too: a full disk fails the last flush
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as sink:
+            for index, prompt in enumerate(prompts):
+                if index in done:
+                    continue
+                run = model.workers.verify.call(functools.partial(run_one, model, prompt, max_new_tokens))
+                done[index] = run
+                recorded = [[s.anchor, list(s.proposed), s.accepted] for s in run.steps]
+                entry = {"index": index, "prompt": keys[index], "response": run.response, "steps": recorded}
+                sink.write(json.dumps(entry) + "\n")
+                sink.flush()
+                bar.update()
     bar.close()
     return [done[i] for i in range(len(prompts))]

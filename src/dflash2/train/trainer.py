@@ -3,7 +3,7 @@
 The drafter is built and run by ``dflash2.drafters.dflash`` itself, so what is trained is exactly
 what is served; it shares the target's embedding and LM head (frozen). Checkpoints (weights,
 AdamW state, step, data order) are safetensors + JSON under ``out/checkpoints`` and a new run
-resumes from the latest one. The result is exported in the z-lab format to ``out/drafter``.
+resumes from the latest whole one. The result is exported in the z-lab format to ``out/drafter``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import random
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -36,7 +37,14 @@ from dflash2.runtime.model import MLP, DecoderLayer, rms_norm
 from dflash2.tokenize import encode_prompt
 from dflash2.train import corpus, distributed, onpolicy, realistic
 from dflash2.train.config import TrainConfig
-from dflash2.train.data import TrainingSequence, cache_features, generate_responses, load_sequences, with_features
+from dflash2.train.data import (
+    TrainingSequence,
+    cache_features,
+    generate_responses,
+    load_sequences,
+    with_features,
+    writing,
+)
 from dflash2.train.distributed import Group
 from dflash2.train.objective import (
     Blocks,
@@ -189,33 +197,49 @@ def sampled_vocab(data_ids: torch.Tensor, size: int, negatives: int, generator: 
     return torch.unique(torch.cat([data_ids, others]))
 
 
+def whole_checkpoints(directory: Path) -> list[Path]:
+    """The checkpoints under ``directory``, oldest first (a folder without its ``state.json`` was
+    cut off while it was written and is not one)."""
+    found = [p for p in directory.glob("step-*") if (p / "state.json").is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
 class _Checkpoints:
-    """The last two checkpoints, and every ``keep_every`` steps one for good (curves of the run)."""
+    """The last two checkpoints, and every ``keep_every`` steps one for good (curves of the run).
+
+    A checkpoint is written in a hidden folder renamed to ``step-NNNNNN`` once complete, so a run
+    cut off while saving (killed, out of disk) resumes from the last whole checkpoint."""
 
     def __init__(self, directory: Path, keep_every: int) -> None:
         self.directory = directory
         self.keep_every = keep_every
 
     def latest(self) -> Path | None:
-        found = sorted(self.directory.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+        found = whole_checkpoints(self.directory)
         return found[-1] if found else None
 
     def save(self, step: int, model: DFlashModel, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         path = self.directory / f"step-{step:06d}"
-        path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+        partial = self.directory / f".partial-{path.name}"
+        weights = {k: v.contiguous() for k, v in model.state_dict().items()}
         moments: dict[str, torch.Tensor] = {}
         for index, param_state in optimizer.state_dict()["state"].items():
             for key, value in param_state.items():
                 moments[f"{index}.{key}"] = torch.as_tensor(value).contiguous()
-        save_file(moments, str(path / "optimizer.safetensors"))
-        (path / "state.json").write_text(json.dumps({"step": step, **state}))
-        for old in sorted(self.directory.glob("step-*"))[:-2]:
-            if int(old.name.split("-")[1]) % self.keep_every == 0:
-                continue
-            for f in old.iterdir():
-                f.unlink()
-            old.rmdir()
+        try:
+            with writing(f"the checkpoint of step {step}", self.directory):
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir(parents=True)
+                save_file(weights, str(partial / "model.safetensors"))
+                save_file(moments, str(partial / "optimizer.safetensors"))
+                (partial / "state.json").write_text(json.dumps({"step": step, **state}))
+                shutil.rmtree(path, ignore_errors=True)
+                partial.rename(path)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+        for old in whole_checkpoints(self.directory)[:-2]:
+            if int(old.name.split("-")[1]) % self.keep_every:
+                shutil.rmtree(old, ignore_errors=True)
 
     def restore(self, path: Path, model: DFlashModel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         model.load_state_dict(load_file(str(path / "model.safetensors")))
@@ -442,7 +466,8 @@ def _train(cfg: TrainConfig, group: Group, progress: bool) -> Path:
     directory = cfg.out / "drafter"
     if group.main:
         dtype_out = torch.bfloat16 if cfg.export_dtype == "bfloat16" else torch.float32
-        export(model, config, directory, history, drafting, coverage, dtype_out, cfg.max_shard_mib)
+        with writing("the trained drafter", directory):
+            export(model, config, directory, history, drafting, coverage, dtype_out, cfg.max_shard_mib)
     group.barrier()
     return directory
 
