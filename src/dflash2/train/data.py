@@ -139,21 +139,20 @@ def cache_features(
 ) -> list[Path]:
     """Teacher-forced target features of every sequence, one file each (named by its index);
     files that already hold their sequence are kept, others (re)computed."""
-    with writing("the target's features", directory):
-        directory.mkdir(parents=True, exist_ok=True)
     files = []
-    for index, (prompt, response) in tqdm(pairs.items(), disable=not progress, desc="features", unit="seq"):
-        file = directory / f"{index:05d}.safetensors"
-        files.append(file)
-        if len(response) < 2:  # nothing to learn from; a stale file of another sequence goes
-            file.unlink(missing_ok=True)
-            continue
-        if _holds(file, prompt + response):
-            continue
-        ids = torch.tensor(prompt + response)
-        [seq] = with_features(model, [TrainingSequence(ids, len(prompt))], layer_ids)
-        tensors = {"ids": ids, "prompt_len": torch.tensor([len(prompt)]), "greedy": seq.greedy.cpu()}
-        with writing("the target's features", directory):
+    with writing("the target's features", directory):  # the unlinks too: a read-only folder refuses them
+        directory.mkdir(parents=True, exist_ok=True)
+        for index, (prompt, response) in tqdm(pairs.items(), disable=not progress, desc="features", unit="seq"):
+            file = directory / f"{index:05d}.safetensors"
+            files.append(file)
+            if len(response) < 2:  # nothing to learn from; a stale file of another sequence goes
+                file.unlink(missing_ok=True)
+                continue
+            if _holds(file, prompt + response):
+                continue
+            ids = torch.tensor(prompt + response)
+            [seq] = with_features(model, [TrainingSequence(ids, len(prompt))], layer_ids)
+            tensors = {"ids": ids, "prompt_len": torch.tensor([len(prompt)]), "greedy": seq.greedy.cpu()}
             save_file({**tensors, "features": seq.features.to(torch.float16).cpu().contiguous()}, str(file))
     return [f for f in files if f.is_file()]
 
