@@ -22,6 +22,7 @@ from tiny import save_tiny, save_tiny_dflash
 
 import dflash2
 from dflash2.config import SamplingConfig
+from dflash2.drafters.window import SINK_TOKENS
 from dflash2.engine import DraftLengthPolicy, OverlapPolicy
 from dflash2.engine.draft_length import DraftLength
 from dflash2.sampling import probabilities
@@ -151,6 +152,20 @@ def test_speculative_sampling_matches_a_quantized_target(name: str, weights: str
     prompt_ids = model.tokenizer(PROMPT).input_ids
     *counts, accepted = sample_marginals(model, config, 3, pipeline="sync")
     check_marginals(counts, exact_marginals(paths["target"], prompt_ids, config, model=model))
+    assert accepted[0] > 0
+
+
+def test_a_windowed_drafter_samples_the_target(paths: dict[str, Path]) -> None:
+    """A small LM drafter reading only the prompt's first tokens and the last 2 drafts from another
+    distribution than the one that reads it all; the samples still follow the target's."""
+    config = CONFIGS[1]
+    model = dflash2.load(paths["target"], drafter=paths["draft"], block_size=3)
+    assert isinstance(model.drafter, dflash2.drafters.AutoregressiveDrafter)
+    prompt_ids = model.tokenizer(PROMPT).input_ids
+    model.drafter.window = 2
+    assert len(prompt_ids) > SINK_TOKENS + 2  # the drafter skips the middle of the prompt
+    *counts, accepted = sample_marginals(model, config, 3, pipeline="sync")
+    check_marginals(counts, exact_marginals(paths["target"], prompt_ids, config))
     assert accepted[0] > 0
 
 

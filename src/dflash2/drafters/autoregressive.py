@@ -10,17 +10,20 @@ the engine whether another one pays (``DraftContext.keep_drafting``), telling it
 drafter was of the token. A drafting vocabulary (``vocab``: the token ids it may draft) puts a
 smaller LM head in place of the full one: on a large vocabulary the head is a large share of a
 draft token's cost, and tokens outside it are simply never drafted (the target still emits them).
+Of a long stretch of text it has not cached (a new long prompt) it reads only a window
+(:mod:`dflash2.drafters.window`), so that catching up on it stays short.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dflash2.config import SamplingConfig
 from dflash2.drafters.base import Draft, DraftContext, Outcome, PreDraft
 from dflash2.drafters.vocabulary import check_vocab, to_full_vocab, vocab_head
+from dflash2.drafters.window import View
 from dflash2.errors import InvalidOptionError
 from dflash2.runtime.graphs import MAX_BUCKET, DecoderPool, Slot, StepMode
 from dflash2.runtime.kv_cache import KVCache
@@ -36,18 +39,25 @@ ALTERNATIVES = 2  # next choices per greedy draft token offered for side branche
 
 @dataclass(frozen=True)
 class DraftState:
-    """What an autoregressive session leaves for a later request: its cache over ``tokens``."""
+    """What an autoregressive session leaves for a later request: its cache over the tokens of
+    ``tokens`` that ``view`` reads (the first ``keys.shape[2]`` of them)."""
 
     tokens: tuple[int, ...]
     keys: torch.Tensor  # [layers, kv_heads, T, head_dim]
     values: torch.Tensor
+    view: View = field(default_factory=View)
 
 
 class AutoregressiveDrafter:
-    """Drafts ``block_size - 1`` tokens per step with ``model`` (shares no weights with the target)."""
+    """Drafts ``block_size - 1`` tokens per step with ``model`` (shares no weights with the target).
+
+    ``window``: of a stretch of text it has not cached that is longer than this, it reads the
+    text's first tokens and the last ``window`` (``None``: it reads everything).
+    """
 
     capture_layers: tuple[int, ...] = ()
     default_block_size = 12  # a step drafts as far as the drafter is likely right (see engine.draft_length)
+    default_window = 128
 
     def __init__(
         self,
@@ -57,9 +67,11 @@ class AutoregressiveDrafter:
         name: str = "autoregressive",
         vocab: torch.Tensor | None = None,
         prefill: Decoder | None = None,
+        window: int | None = default_window,
     ) -> None:
         if not isinstance(block_size, int) or not 2 <= block_size <= 64:
             raise InvalidOptionError(f"block_size must be an int in [2, 64], got {block_size!r}.")
+        self.window = window
         self.model = model
         self.block_size = block_size
         self.name = name
@@ -72,6 +84,17 @@ class AutoregressiveDrafter:
             self.vocab = check_vocab(vocab, min(target_vocab_size, model.spec.vocab_size)).to(model.device)
             self.head = _head_over(model, self.vocab)
         model.pack()
+
+    @property
+    def window(self) -> int | None:
+        """Tokens it reads of the end of a long stretch of text it has not cached (``None``: all)."""
+        return self._window
+
+    @window.setter
+    def window(self, window: int | None) -> None:
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise InvalidOptionError(f"window must be a positive int or None, got {window!r}.")
+        self._window = window
 
     @property
     def max_context(self) -> int:
@@ -122,30 +145,41 @@ class AutoregressiveSession:
         self._slot: Slot | None = drafter.steps.acquire(capacity) if drafter.steps is not None else None
         self._cache: KVCache | None = self._slot.cache if self._slot is not None else self._model.new_cache(capacity)
         self._seq: list[int] = [*context.prompt_ids, context.first_token]
-        self._cached: list[int] = []
+        self._cached: list[int] = []  # the cached tokens of the view (``_view.of``) of the text
+        self._view = View().reading(len(self._seq), drafter.window)  # what a cold session reads
         self._proposal: list[int] = []
         self._pre: PreDraft | None = None
         if isinstance(context.resume, DraftState) and self._slot is None:
             self._resume(context.resume)
 
     def _resume(self, state: DraftState) -> None:
-        """Start from the state an earlier session left for a text this one's starts with."""
+        """Start from the state an earlier session left for a text this one's starts with. Greedy,
+        it goes on reading what that session read, so that more of its cache serves (greedy output
+        does not depend on the drafts); sampling, it reads what a cold session reads, so that a
+        seed gives the same text with or without the prefix cache."""
         assert self._cache is not None
         common = common_prefix(state.tokens, self._seq, len(self._seq) - 1)  # the last token is fed for logits
-        if common == 0:
+        theirs = state.view.of(list(range(common)))[: state.keys.shape[2]]  # positions of its usable entries
+        if self._sampling.greedy and theirs:
+            self._view = state.view.up_to(theirs[-1] + 1).reading(len(self._seq), self._d.window)
+        usable = common_prefix(self._view.of(list(range(len(self._seq)))), theirs)
+        if usable == 0:
             return
-        self._cache.k[:, 0, :, :common] = state.keys[:, :, :common]
-        self._cache.v[:, 0, :, :common] = state.values[:, :, :common]
-        self._cache.advance(common)
-        self._cached = self._seq[:common]
+        self._cache.k[:, 0, :, :usable] = state.keys[:, :, :usable]
+        self._cache.v[:, 0, :, :usable] = state.values[:, :, :usable]
+        self._cache.advance(usable)
+        self._cached = self._view.of(self._seq)[:usable]
 
     def snapshot(self) -> DraftState | None:
         """The draft cache (see ``Resumable``), or ``None``; a static slot's (whose steps attend
         over the whole masked cache) is not kept."""
-        if self._cache is None or not self._cached or self._slot is not None:
+        if self._cache is None or self._slot is not None:
             return None
-        n, cache = len(self._cached), self._cache
-        return DraftState(tuple(self._cached[:n]), cache.k[:, 0, :, :n].clone(), cache.v[:, 0, :, :n].clone())
+        n, cache = common_prefix(self._cached, self._view.of(self._seq)), self._cache
+        if n == 0:
+            return None
+        keys, values = cache.k[:, 0, :, :n].clone(), cache.v[:, 0, :, :n].clone()
+        return DraftState(tuple(self._seq), keys, values, self._view)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Restrict (or pad) the drafter's logits to the target's vocabulary size."""
@@ -206,6 +240,7 @@ class AutoregressiveSession:
         """Draft up to ``count`` tokens continuing ``context`` (its last token included); with
         ``stop_early`` fewer when the engine says another token does not pay."""
         assert self._cache is not None
+        context = self._view.of(context)
         common = common_prefix(self._cached, context, len(context) - 1)  # the last token is fed for logits
         self._cache.rollback(common)
         del self._cached[common:]

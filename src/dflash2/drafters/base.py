@@ -163,8 +163,9 @@ class Resumable(Protocol):
 
     ``snapshot`` is called when the request ends, with no phase running; what it returns comes back
     as ``DraftContext.resume`` to a later session of the same drafter, whose prompt may share only
-    part of the text the snapshot covers. The session must come out as a cold one would (the
-    snapshot holds only state computed the way a cold start computes it).
+    part of the text the snapshot covers. The request's output must come out as a cold one's: under
+    sampling the resumed session must draft as a cold one would (the snapshot holds only state
+    computed the way a cold start computes it); greedy output does not depend on the drafts.
     """
 
     def snapshot(self) -> Any: ...
