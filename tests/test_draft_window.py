@@ -11,7 +11,7 @@ import torch
 from tiny import hf_greedy
 
 import dflash2
-from dflash2 import InvalidOptionError
+from dflash2 import GraphConfig, InvalidOptionError
 from dflash2.drafters.autoregressive import AutoregressiveDrafter, AutoregressiveSession, DraftState
 from dflash2.drafters.window import SINK_TOKENS, View
 from dflash2.engine.draft_length import DraftLengthPolicy
@@ -61,26 +61,31 @@ def _windowed(paths: dict[str, Path], window: int | None, **options: object) -> 
 
 
 def _sessions(monkeypatch: pytest.MonkeyPatch) -> list[AutoregressiveSession]:
+    """The sessions drafters start from now on (``static``: whether each began on a static slot)."""
     started: list[AutoregressiveSession] = []
     start = AutoregressiveDrafter.start
 
     def recording(self: AutoregressiveDrafter, context: dflash2.drafters.DraftContext) -> AutoregressiveSession:
         started.append(start(self, context))
+        started[-1].static = started[-1]._slot is not None  # type: ignore[attr-defined]
         return started[-1]
 
     monkeypatch.setattr(AutoregressiveDrafter, "start", recording)
     return started
 
 
-@pytest.mark.parametrize("pipeline", ["sync", "async"])
+@pytest.mark.parametrize("pipeline", ["sync", "async", "static"])
 def test_a_windowed_drafter_keeps_the_targets_tokens(
     pipeline: str, paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Eager forwards in both pipelines, and the static steps CUDA graphs replay (run eagerly)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(paths["target"], dtype=torch.float32).eval()
     sessions = _sessions(monkeypatch)
-    model = _windowed(paths, window=8, prefix_cache=0)
+    graphs = GraphConfig(mode="static", context=512, slots=1) if pipeline == "static" else "off"
+    model = _windowed(paths, window=8, prefix_cache=0, graphs=graphs)
+    pipeline = "sync" if pipeline == "static" else pipeline
     ids = model.tokenizer(LONG).input_ids
     assert len(ids) > SINK_TOKENS + 8 + 20
     out = model.generate(LONG, max_new_tokens=NEW, pipeline=pipeline)
@@ -88,6 +93,7 @@ def test_a_windowed_drafter_keeps_the_targets_tokens(
     assert out.stats.drafted_tokens > 0
     session = sessions[-1]  # (loading times a few drafts too)
     assert session._view == View(((0, SINK_TOKENS),), len(ids) + 1 - 8)
+    assert session.static == (graphs != "off")  # type: ignore[attr-defined]
     assert len(session._cached) < SINK_TOKENS + 8 + NEW + 8  # the middle of the prompt was never run
 
 
