@@ -16,7 +16,7 @@ Of a long stretch of text it has not cached (a new long prompt) it reads only a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +45,7 @@ class DraftState:
     tokens: tuple[int, ...]
     keys: torch.Tensor  # [layers, kv_heads, T, head_dim]
     values: torch.Tensor
-    view: View = field(default_factory=View)
+    view: View
 
 
 class AutoregressiveDrafter:
