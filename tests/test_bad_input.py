@@ -161,6 +161,9 @@ class ContractBreakingSession:
             "alternative-outside-vocabulary": lambda: Draft(torch.tensor([5, 6]), alternatives=(((999, 0.05),), ())),
             "alternatives-beyond-the-draft": lambda: Draft(torch.tensor([5]), alternatives=(((7, 0.1),), ((8, 0.1),))),
             "alternatives-not-pairs": lambda: Draft(torch.tensor([5, 6]), alternatives=((7, 8),)),  # type: ignore[arg-type]
+            "negative-catch-up": lambda: Draft(torch.tensor([5, 6]), catch_up_s=-1.0),
+            "catch-up-not-a-number": lambda: Draft(torch.tensor([5, 6]), catch_up_s=float("nan")),
+            "catch-up-a-string": lambda: Draft(torch.tensor([5, 6]), catch_up_s="0.1"),  # type: ignore[arg-type]
         }[self.breach]()
 
     def observe(self, outcome: Outcome) -> None: ...
@@ -192,6 +195,9 @@ BREACHES = [
     ("alternative-outside-vocabulary", "proposed alternative token id 999, outside the target's vocabulary"),
     ("alternatives-beyond-the-draft", "proposed alternatives for 2 positions of a 1-token draft"),
     ("alternatives-not-pairs", "proposed alternatives \\(7, 8\\) at draft position 0"),
+    ("negative-catch-up", "reported catch_up_s=-1.0; it is the seconds it spent reading text it had fallen"),
+    ("catch-up-not-a-number", "reported catch_up_s=nan; it is the seconds"),
+    ("catch-up-a-string", "reported catch_up_s='0.1'; it is the seconds"),
 ]
 
 

@@ -8,6 +8,7 @@ depend on this machine's timing; speed itself is measured in the benchmarks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,8 @@ from test_speculative import ScriptedDrafter
 from tiny import SPEC_PROMPTS
 
 import dflash2
-from dflash2 import InvalidOptionError
-from dflash2.drafters import Draft, DraftContext
+from dflash2 import InvalidOptionError, SamplingConfig
+from dflash2.drafters import Draft, DraftContext, Outcome
 from dflash2.engine import DraftLengthPolicy
 from dflash2.engine.draft_length import DraftLength, best_length, expected_yield, worth_more
 
@@ -184,6 +185,52 @@ def test_a_sessions_catch_up_on_the_prompt_is_not_priced_as_drafting(paths: dict
     assert list(completion.token_ids) == truth
     assert max(model.lengths.summary()["draft_s"].values()) < 0.05  # the 0.5 s is no draft's price
     assert completion.stats.steps <= 40 // 4  # so the drafts after the first went on in whole blocks
+
+
+class FallingBehind(ScriptedDrafter):
+    """Right drafts, each of which first spends 0.2 s reading text the drafter fell behind on (as a
+    model drafter does after steps another source drafted, or none did), and says so."""
+
+    def start(self, context: DraftContext) -> Any:
+        session = super().start(context)
+        propose = session.propose
+
+        def behind(max_tokens: int) -> Draft:
+            time.sleep(0.2)
+            return dataclasses.replace(propose(max_tokens), catch_up_s=0.2)
+
+        session.propose = behind
+        return session
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_catching_up_on_text_is_not_priced_as_drafting(paths: dict[str, Path], pipeline: str) -> None:
+    plain = dflash2.load(paths["target"])
+    truth = list(plain.generate(SPEC_PROMPTS[1], max_new_tokens=40).token_ids)
+    model = dflash2.load(paths["target"], drafter=FallingBehind(truth, [99]))
+    completion = model.generate(SPEC_PROMPTS[1], max_new_tokens=40, pipeline=pipeline)
+    assert list(completion.token_ids) == truth
+    assert max(model.lengths.summary()["draft_s"].values()) < 0.05  # reading is no draft's price
+    assert completion.stats.draft_s > 0.2 * (completion.stats.steps - 1)  # though it counts as drafting time
+
+
+def test_a_model_drafter_reports_catching_up(paths: dict[str, Path]) -> None:
+    """The small LM drafter reads what it fell behind on (the prompt, steps it did not draft) apart
+    from drafting, and reports how long that took; an ordinary step leaves nothing to catch up on."""
+    model = dflash2.load(paths["target"], drafter=paths["target"], block_size=4)
+    ids = model.tokenizer.encode(SPEC_PROMPTS[0])
+    session = model.drafter.start(DraftContext(ids, 7, None, SamplingConfig(), None, len(ids) + 64))  # type: ignore[union-attr]
+    first = session.propose(3)
+    assert first.catch_up_s > 0  # the prompt
+    tokens = tuple(int(t) for t in first.tokens)
+    session.observe(Outcome(accepted=3, tokens=tokens, next_token=9))
+    assert session.propose(3).catch_up_s == 0.0  # the last draft token and the bonus: a step's reading
+    session.observe(Outcome(accepted=0, next_token=11))
+    for token in (12, 13, 14):  # three plain steps: the drafter drafts nothing and reads nothing
+        assert len(session.propose(0)) == 0
+        session.observe(Outcome(accepted=0, next_token=token))
+    assert session.propose(3).catch_up_s > 0
+    session.close()
 
 
 def test_a_shared_forward_prices_a_stream_at_its_share() -> None:

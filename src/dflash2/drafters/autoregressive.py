@@ -16,6 +16,7 @@ Of a long stretch of text it has not cached (a new long prompt) it reads only a 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from dflash2.runtime.twin import TWIN_ROWS
 from dflash2.sampling import probabilities, sample
 from dflash2.tokenize import common_prefix
 
+STEP_READING = 2  # tokens a step leaves to read: the last draft token and the bonus (or a correction)
 ALTERNATIVES = 2  # next choices per greedy draft token offered for side branches (``Draft.alternatives``)
 
 
@@ -191,13 +193,32 @@ class AutoregressiveSession:
             return torch.cat([logits, pad], dim=-1)
         return logits
 
+    def _reader(self, tokens: int) -> Decoder:
+        """The model that reads ``tokens`` tokens at once: the prefill twin for many, if there is one."""
+        return self._d.prefill if self._d.prefill is not None and tokens >= TWIN_ROWS else self._model
+
+    def _read(self, tokens: list[int]) -> float:
+        """Process ``tokens`` after the cached ones, without logits (text the drafter fell behind
+        on, read apart from drafting); the seconds that took."""
+        assert self._cache is not None
+        start = time.perf_counter()
+        ids = torch.tensor(tokens, device=self._model.device)
+        if self._slot is not None and len(tokens) <= MAX_BUCKET:
+            self._slot.forward(ids)
+        else:
+            self._reader(len(tokens))(ids[None], self._cache, logits="none")
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize(ids.device)
+        self._cached.extend(tokens)
+        return time.perf_counter() - start
+
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Process ``tokens`` after the cached ones; logits after the last of them (over the
         drafting vocabulary when there is one)."""
         assert self._cache is not None
         ids = torch.tensor(tokens, device=self._model.device)
         vocab, head = self._d.vocab, self._d.head
-        model = self._d.prefill if self._d.prefill is not None and len(tokens) >= TWIN_ROWS else self._model
+        model = self._reader(len(tokens))
         if self._slot is not None and len(tokens) <= MAX_BUCKET:
             last = self._slot.forward(ids)[0][-1]
             last = last if vocab is None else last[vocab]
@@ -244,7 +265,11 @@ class AutoregressiveSession:
         common = common_prefix(self._cached, context, len(context) - 1)  # the last token is fed for logits
         self._cache.rollback(common)
         del self._cached[common:]
-        logits = self._feed(context[common:])
+        fresh, catch_up_s = context[common:], 0.0
+        if len(fresh) > STEP_READING:  # text it fell behind on: read apart, so that drafting is timed alone
+            catch_up_s = self._read(fresh[:-1])
+            fresh = fresh[-1:]
+        logits = self._feed(fresh)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         sure: list[float] = []
@@ -261,7 +286,8 @@ class AutoregressiveSession:
                 break
             logits = self._feed([token])
         probs = torch.stack(rows) if rows else None
-        return Draft(torch.tensor(tokens, dtype=torch.long), probs, tuple(sure), tuple(others) if any(others) else ())
+        offered = tuple(others) if any(others) else ()
+        return Draft(torch.tensor(tokens, dtype=torch.long), probs, tuple(sure), offered, catch_up_s)
 
     def propose(self, max_tokens: int) -> Draft:
         k = min(self._d.block_size - 1, max_tokens)

@@ -28,13 +28,17 @@ class Draft:
     where it knows one (the draft-length policy learns how often tokens of each confidence are
     accepted). ``alternatives``: per draft token, the drafter's next choices for its position,
     ``(token id, probability)`` best first (greedy drafting only); the engine may verify some of
-    them beside the draft, as side branches in the same target forward.
+    them beside the draft, as side branches in the same target forward. ``catch_up_s``: seconds
+    of the call the drafter spent reading text it had fallen behind on (a new prompt, steps that
+    another source drafted or none did) before drafting: a cost of that text, which the
+    draft-length policy does not count as the price of a draft of this length.
     """
 
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     confidence: tuple[float, ...] = ()
     alternatives: tuple[tuple[tuple[int, float], ...], ...] = ()
+    catch_up_s: float = 0.0
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])

@@ -174,10 +174,11 @@ class Batcher:
                 for i, _ in members:
                     steps[i].error = err
                 continue
-            share = (time.perf_counter() - start) / len(members)
+            # each draft's share of the forward, plus the reading it alone caught up on
+            share = (time.perf_counter() - start - sum(d.catch_up_s for d in made)) / len(members)
             for (i, wanted), r, draft in zip(members, requests, made, strict=True):
                 try:
-                    drafts[i] = r.drafted(draft, share, wanted)
+                    drafts[i] = r.drafted(draft, share + draft.catch_up_s, wanted)
                 except Exception as err:  # raised in that stream's consumer
                     steps[i].error = err
         for i, s in enumerate(steps):  # the batch waits for every draft

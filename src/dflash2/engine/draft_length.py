@@ -12,7 +12,9 @@ k + 1 tokens plus the drafting. So the policy keeps these measurements, all runn
 - the drafter's time as a line in the draft length (fixed + per token: one forward for a block
   drafter, one per token for an autoregressive one), timed at load and by every draft but a
   request's first from each source (where a model drafter also prefills its cache on the prompt:
-  a cost of the request, not of the draft's length);
+  a cost of the request, not of the draft's length), less the time a drafter reports it spent
+  reading text it had fallen behind on (``Draft.catch_up_s``: steps another source drafted, or
+  none did);
 - for steps that share a packed forward with other streams (``engine.batch``), a line fitted per
   batch size B: seconds = fixed_B + per_token_B * tokens. A stream's step in such a batch costs its
   share of the fixed part plus its own rows, fixed_B / B + per_token_B * (k + 1) + drafting, so the

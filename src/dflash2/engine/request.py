@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -63,8 +64,8 @@ T = TypeVar("T")
 def check_draft(draft: object, wanted: int, vocab: int, drafter: str) -> None:
     """Raise :class:`DrafterError` unless ``draft`` is what a drafter must propose: a :class:`Draft`
     of at most ``wanted`` token ids of the target's vocabulary (values checked where they are on the
-    host, so that nothing waits for a device), with its probabilities, confidence and alternatives
-    shaped as :class:`Draft` says."""
+    host, so that nothing waits for a device), with its probabilities, confidence, alternatives and
+    catch-up time as :class:`Draft` says."""
     if not isinstance(draft, Draft) or not isinstance(draft.tokens, torch.Tensor):
         raise DrafterError(f"the drafter {drafter!r} proposed a {type(draft).__name__}; propose() returns a Draft.")
     tokens = draft.tokens
@@ -89,6 +90,12 @@ def check_draft(draft: object, wanted: int, vocab: int, drafter: str) -> None:
         )
     _check_confidence(draft, drafter)
     _check_alternatives(draft, vocab, drafter)
+    seconds = draft.catch_up_s
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0.0 <= seconds < math.inf:
+        raise DrafterError(  # NaN fails too
+            f"the drafter {drafter!r} reported catch_up_s={seconds!r}; it is the seconds it spent reading text "
+            "it had fallen behind on before drafting, a finite number >= 0 (0 when it did not say)."
+        )
 
 
 def _check_confidence(draft: Draft, drafter: str) -> None:
@@ -361,8 +368,8 @@ class Request:
         self.counters.draft_s += seconds
         if self.lengths is not None and len(draft) > 0:
             source = self.lengths.source
-            if source in self._caught_up:
-                self.lengths.policy.record_draft(len(draft), seconds, source)
+            if source in self._caught_up:  # less what the drafter spent reading text it had fallen behind on
+                self.lengths.policy.record_draft(len(draft), max(0.0, seconds - draft.catch_up_s), source)
             else:  # a session's first draft also caught up on the prompt (a model drafter's prefill): no draft's price
                 self._caught_up.add(source)
         return dataclasses.replace(draft, tokens=draft.tokens.to(self.target.device))
