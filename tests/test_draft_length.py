@@ -176,13 +176,19 @@ class CatchingUp(ScriptedDrafter):
         return session
 
 
-@pytest.mark.parametrize("pipeline", ["sync", "async"])
-def test_a_sessions_catch_up_on_the_prompt_is_not_priced_as_drafting(paths: dict[str, Path], pipeline: str) -> None:
+def _right_drafts(paths: dict[str, Path], drafter: type[ScriptedDrafter], pipeline: str) -> tuple[Any, Any]:
+    """The model drafting with ``drafter`` (every draft right), and its completion, checked."""
     plain = dflash2.load(paths["target"])
     truth = list(plain.generate(SPEC_PROMPTS[1], max_new_tokens=40).token_ids)
-    model = dflash2.load(paths["target"], drafter=CatchingUp(truth, [99]))  # every draft right
+    model = dflash2.load(paths["target"], drafter=drafter(truth, [99]))
     completion = model.generate(SPEC_PROMPTS[1], max_new_tokens=40, pipeline=pipeline)
     assert list(completion.token_ids) == truth
+    return model, completion
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_a_sessions_catch_up_on_the_prompt_is_not_priced_as_drafting(paths: dict[str, Path], pipeline: str) -> None:
+    model, completion = _right_drafts(paths, CatchingUp, pipeline)
     assert max(model.lengths.summary()["draft_s"].values()) < 0.05  # the 0.5 s is no draft's price
     assert completion.stats.steps <= 40 // 4  # so the drafts after the first went on in whole blocks
 
@@ -205,11 +211,7 @@ class FallingBehind(ScriptedDrafter):
 
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
 def test_catching_up_on_text_is_not_priced_as_drafting(paths: dict[str, Path], pipeline: str) -> None:
-    plain = dflash2.load(paths["target"])
-    truth = list(plain.generate(SPEC_PROMPTS[1], max_new_tokens=40).token_ids)
-    model = dflash2.load(paths["target"], drafter=FallingBehind(truth, [99]))
-    completion = model.generate(SPEC_PROMPTS[1], max_new_tokens=40, pipeline=pipeline)
-    assert list(completion.token_ids) == truth
+    model, completion = _right_drafts(paths, FallingBehind, pipeline)
     assert max(model.lengths.summary()["draft_s"].values()) < 0.05  # reading is no draft's price
     assert completion.stats.draft_s > 0.2 * (completion.stats.steps - 1)  # though it counts as drafting time
 
