@@ -132,6 +132,41 @@ def test_quantize_linears_replaces_every_projection_and_keeps_shapes_the_kernels
     assert isinstance(quantize_linears(same, "same")[0], Linear)
 
 
+@pytest.mark.parametrize("inputs", [40, 44, 24])
+def test_int8_takes_only_inputs_its_kernel_reads_whole(inputs: int) -> None:
+    """torch's CPU int8 kernel reads a row's inputs 16 at a time (on AVX-512 rows 32-byte aligned):
+    with other widths it reads past each row, computes garbage and may crash. Such a layer is held
+    in bf16 instead, from scratch or from a stored int8 layer."""
+    layer = _linear(32, inputs)
+    (kept,) = quantize_linears(torch.nn.Sequential(layer), "int8")
+    assert isinstance(kept, HalfLinear)
+    x = torch.randn(5, inputs)
+    expected = layer(x)
+    for rows in (x[:1], x):  # one row read past its end; several misaligned
+        assert torch.allclose(kept(rows), expected[: len(rows)], rtol=0.02, atol=0.02)
+    q, scales = quantize_int8(layer.weight.detach())
+    with pytest.raises(ValueError):
+        QuantLinear.restored("int8", q, scales.bfloat16(), None, inputs, 32)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_stored_layer_read_back_at_any_address_computes_right(fmt: str) -> None:
+    """A layer read back from a file starts where the file put it (a safetensors entry: 8-byte
+    steps); the int8 kernel's aligned loads crashed on such a weight. It is held aligned."""
+    fresh = QuantLinear(_linear(32, 64).weight.detach(), None, fmt)  # type: ignore[arg-type]
+    shifted = []
+    for tensor in (fresh.qweight, fresh.scales):
+        raw = tensor.reshape(-1).view(torch.uint8)
+        buffer = torch.empty(raw.numel() + 8, dtype=torch.uint8)[8:]  # 8 bytes past an aligned start
+        buffer.copy_(raw)
+        shifted.append(buffer.view(tensor.dtype).view(tensor.shape))
+    assert shifted[0].data_ptr() % 16 == 8
+    restored = QuantLinear.restored(fmt, shifted[0], shifted[1], None, 64, 32)  # type: ignore[arg-type]
+    assert restored.qweight.data_ptr() % 64 == 0 and restored.scales.data_ptr() % 64 == 0
+    x = torch.randn(3, 64)
+    assert torch.equal(restored(x), fresh(x))
+
+
 def test_a_tied_head_is_quantized_apart_from_the_embedding(paths: dict[str, Path]) -> None:
     target = dflash2.load(paths["target"])
     tied = dflash2.load(paths["target"]).target  # a fresh copy to quantize

@@ -28,6 +28,10 @@ WeightFormat = Literal["same", "bf16", "int8", "int4"]  # "same": as loaded, no 
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("same", "bf16", "int8", "int4")
 GROUP = 32  # int4 inputs per (scale, zero): GGUF's Q4_K sub-block
 INT4_ROWS = 16  # the CPU int4 layout packs output channels in sixteens
+# the CPU int8 kernel reads a row's inputs 16 at a time (under AVX-512 from rows it takes to be 32-byte
+# aligned): of other widths it reads past each row, computing garbage or crashing
+INT8_INPUTS = 16
+ALIGNMENT = 64  # bytes: where torch's allocator starts a tensor; the CPU kernels' aligned loads need 16 or 32
 CHUNK_ROWS = 4096  # output channels quantized at once
 SAMPLE_ROWS = 16  # whose groups tell whether a weight lies on int4 grids (a GGUF Q4 tensor dequantized)
 LEVEL_TOLERANCE = 1e-3  # values this close to a grid point (in steps) lie on it: fp32 rounding is far below
@@ -153,8 +157,8 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(self.compute_dtype), requires_grad=False)
         self.qweight: torch.Tensor
         self.scales: torch.Tensor
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales)
+        self.register_buffer("qweight", aligned(qweight))
+        self.register_buffer("scales", aligned(scales))
 
     @classmethod
     def restored(
@@ -175,6 +179,8 @@ class QuantLinear(nn.Module):
         }[fmt]
         if (tuple(qweight.shape), qweight.dtype, tuple(scales.shape)) != expected or scales.dtype != torch.bfloat16:
             raise ValueError(f"not an {fmt} weight of shape {[n, k]}")
+        if not _shape_fits(n, k, fmt):
+            raise ValueError(f"the {fmt} kernel does not take a weight of shape {[n, k]}")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._hold(fmt, qweight, scales, bias, in_features, out_features)
@@ -183,10 +189,9 @@ class QuantLinear(nn.Module):
     @staticmethod
     def fits(weight: torch.Tensor, fmt: Literal["int8", "int4"]) -> bool:
         """Whether the kernel of ``fmt`` takes a weight of this shape on its device."""
-        if fmt == "int8":
-            return int8_available(weight.device)
         n, k = weight.shape
-        return int4_available(weight.device) and n % INT4_ROWS == 0 and k % GROUP == 0
+        available = int8_available if fmt == "int8" else int4_available
+        return available(weight.device) and _shape_fits(n, k, fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(self.compute_dtype)
@@ -197,6 +202,18 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy of it where it does not start on an ``ALIGNMENT``-byte boundary: tensors
+    read from a file (a safetensors entry) start wherever the file put them, and the CPU int8
+    kernel's aligned loads crash on such a weight."""
+    return tensor if tensor.data_ptr() % ALIGNMENT == 0 else tensor.clone()
+
+
+def _shape_fits(n: int, k: int, fmt: Literal["int8", "int4"]) -> bool:
+    """Whether the CPU kernel of ``fmt`` computes right with ``n`` output channels of ``k`` inputs."""
+    return k % INT8_INPUTS == 0 if fmt == "int8" else n % INT4_ROWS == 0 and k % GROUP == 0
 
 
 class HalfLinear(nn.Module):
@@ -239,8 +256,9 @@ def quantize_linears(module: nn.Module, fmt: WeightFormat) -> nn.Module:
     """Replace every :class:`Linear` inside ``module`` by its ``fmt`` form, in place; returns ``module``.
 
     ``same`` changes nothing. A layer whose shape the int4 kernel cannot take falls back to int8,
-    and int8 to bfloat16 where its kernel is missing. A weight shared with an embedding stays
-    where it is (the embedding keeps reading it); the layer gets its own quantized copy.
+    and int8 to bfloat16 where its kernel is missing or cannot take the shape either. A weight
+    shared with an embedding stays where it is (the embedding keeps reading it); the layer gets its
+    own quantized copy.
     """
     if fmt == "same":
         return module
