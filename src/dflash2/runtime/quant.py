@@ -157,8 +157,8 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(self.compute_dtype), requires_grad=False)
         self.qweight: torch.Tensor
         self.scales: torch.Tensor
-        self.register_buffer("qweight", aligned(qweight))
-        self.register_buffer("scales", aligned(scales))
+        self.register_buffer("qweight", _aligned(qweight))
+        self.register_buffer("scales", _aligned(scales))
 
     @classmethod
     def restored(
@@ -204,7 +204,7 @@ class QuantLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-def aligned(tensor: torch.Tensor) -> torch.Tensor:
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or a copy of it where it does not start on an ``ALIGNMENT``-byte boundary: tensors
     read from a file (a safetensors entry) start wherever the file put them, and the CPU int8
     kernel's aligned loads crash on such a weight."""
