@@ -36,7 +36,7 @@ bench: $(STAMP)
 		--dflash-drafter drafters/smollm2-135m-instruct-dflash
 
 # the real-size pair against transformers and llama.cpp (built once by scripts/llama_cpp.py); about 4.5 hours:
-# the matrix, then each drafter's fixed draft lengths beside the policy's choice, and the drafter's precisions
+# the matrix, the target in bf16, then each drafter's fixed draft lengths beside the policy's choice, and the drafter's precisions
 QWEN := --model qwen2.5-coder-1.5b --ar-drafter qwen2.5-coder-0.5b
 QWEN_CONFIGS := transformers,transformers-assisted,transformers-prompt-lookup,llama.cpp,llama.cpp-speculative,llama.cpp-ngram,dflash2,dflash2-ngram-sync,dflash2-ar-sync,dflash2-ar-async,dflash2-hybrid-sync
 
@@ -46,6 +46,8 @@ bench-qwen: $(STAMP)
 		HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --datasets $$dataset --section qwen-matrix-$$dataset \
 			--llama-cpp "$$($(BIN)/python scripts/llama_cpp.py)" --configs $(QWEN_CONFIGS) || exit 1; \
 	done
+	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --weights bf16 --limit 10 --section qwen-bf16 \
+		--configs dflash2,dflash2-ar-sync,dflash2-hybrid-sync
 	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-sweep --doc docs/tuning.md --limit 4 --sweep block-size \
 		--sweep-config dflash2-ar-sync --block-sizes 3,5,7,9,13
 	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-weights --doc docs/tuning.md --limit 4 --sweep drafter-weights \

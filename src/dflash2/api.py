@@ -43,7 +43,7 @@ from dflash2.runtime.graphs import MAX_BUCKET, DecoderPool, buckets_up_to
 from dflash2.runtime.loader import load_eos_ids, load_tokenizer, resolve_checkpoint
 from dflash2.runtime.model import Decoder
 from dflash2.runtime.packed import load_quantized
-from dflash2.runtime.quant import check_target_weights, check_weight_format
+from dflash2.runtime.quant import check_bf16_rows, check_target_weights, check_weight_format
 from dflash2.runtime.threads import Threads, check_threads
 from dflash2.runtime.workers import Workers, release_thread_pool
 from dflash2.stream import BlockingTokenStream, Completion, TokenSource, TokenStream
@@ -336,8 +336,9 @@ def load(
     ``drafter``: ``None`` (plain decoding), ``"ngram"`` (prompt lookup), a hub id or directory of a
     DFlash / DFlash2 drafter or of a small causal LM with the target's tokenizer, or a
     :class:`dflash2.drafters.Drafter` object. ``weights``: the precision the target's projections
-    and LM head are held in: ``"same"`` (as ``dtype``, the default), ``"int8"`` or ``"int4"``
-    (weight-only, on the CPU); outside ``"same"`` every token is computed as decoding it
+    and LM head are held in: ``"same"`` (as ``dtype``, the default), ``"bf16"``, ``"int8"`` or
+    ``"int4"`` (weight-only, on the CPU; bf16 where the CPU's bf16 products pass a check at load, an
+    ``InvalidOptionError`` otherwise); outside ``"same"`` every token is computed as decoding it
     alone computes it, so speculative output equals plain decoding in that mode token for token (how
     close that is to the full-precision model is the quantization's matter). ``block_size`` (tokens
     per verify forward, incl. the last verified one) overrides the drafter's default.
@@ -379,6 +380,8 @@ def load(
         decoder = load_quantized(checkpoint, target_weights, resolved_dtype, resolved_device)
         decoder.weights = target_weights  # its rows are computed alone: see Decoder.quantize
         decoder.pack()
+        if target_weights == "bf16":
+            check_bf16_rows(decoder)
         tokenizer = load_tokenizer(checkpoint)
         eos = load_eos_ids(checkpoint, decoder.spec)
         name = Path(str(target)).name or str(target)

@@ -181,7 +181,7 @@ def cmd_check_drafter(args: argparse.Namespace) -> int:
     return 0 if report.fits else 1
 
 
-WEIGHTS_HELP = "the target's weights: same (as --dtype), int8 or int4 (weight-only, CPU)"
+WEIGHTS_HELP = "the target's weights: same (as --dtype), bf16, int8 or int4 (weight-only, CPU)"
 THREADS_HELP = "CPU threads a forward computes on: a number, or auto (measured: fewer while other processes are busy)"
 
 

@@ -8,6 +8,7 @@ import torch
 
 from dflash2.api import Model
 from dflash2.runtime.linear import Linear
+from dflash2.runtime.quant import HalfLinear
 
 
 def memory_bandwidth_gbps(megabytes: int = 512, repeats: int = 5) -> float:
@@ -26,7 +27,7 @@ def weight_bytes(model: Model) -> int:
     (pre-packed or quantized), and the norms; the embedding table only serves a row per token."""
     total = 0
     for module in model.target.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, HalfLinear)):
             used = module.packed_weight if module.packed else module.weight
             total += used.numel() * used.element_size()
             if module.bias is not None:

@@ -186,7 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--drafter-weights", default="auto", help="precision of model drafters: auto, same, bf16, int8, int4"
     )
     parser.add_argument(
-        "--weights", default="same", help="the target's weights in dflash2's rows: same, int8, int4 (matrix only)"
+        "--weights", default="same", help="the target's weights in dflash2's rows: same, bf16, int8, int4 (matrix only)"
     )
     parser.add_argument("--llama-cpp", type=Path, default=None, help="folder of llama.cpp's binaries (llama-server)")
     parser.add_argument("--dflash-drafter", default=None, help="DFlash / DFlash2 drafter (z-lab format)")

@@ -25,10 +25,14 @@ from torch import nn
 
 
 def packing_available(weight: torch.Tensor) -> bool:
-    """Packed oneDNN linear exists for fp32 weights on the CPU in mkldnn builds of torch."""
+    """Packed oneDNN linear exists for fp32 weights on the CPU in mkldnn builds of torch, and for
+    bf16 ones where oneDNN multiplies bf16 on this CPU."""
     return (
         weight.device.type == "cpu"
-        and weight.dtype == torch.float32
+        and (
+            weight.dtype == torch.float32
+            or (weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+        )
         and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -77,6 +81,19 @@ def padded_product(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tens
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] pre-packed for oneDNN's small-batch products (:func:`packed_product`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
+
+
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, wide: bool) -> torch.Tensor:
+    """``x W^T + b`` by oneDNN on a weight from :func:`pack_weight`, at :func:`row_bucket` rows (at
+    least ``FEWEST_ROWS`` where there are several rows or the weight is ``wide``)."""
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    fewest = FEWEST_ROWS if wide or x.numel() > x.shape[-1] else 1
+    return padded_product(x, lambda rows: pointwise(rows, packed, bias, "none", [], ""), fewest)
+
+
 class Linear(nn.Module):
     """``y = x W^T + b``; after :meth:`pack`, inference (no grad) runs on a oneDNN-packed copy."""
 
@@ -93,8 +110,8 @@ class Linear(nn.Module):
 
         ``release``: drop the plain weight (its shape stays, on the meta device), for layers that
         only ever run inference and whose weight nothing else reads."""
-        if packing_available(self.weight):
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_ROWS)
+        if self.weight.dtype == torch.float32 and packing_available(self.weight):  # bf16 weights: quant.HalfLinear
+            self._packed = pack_weight(self.weight)
             self._wide = self.weight.numel() >= WIDE
             if release:
                 self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
@@ -113,10 +130,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None and x.dtype == torch.float32 and (self._released or not torch.is_grad_enabled()):
-            packed, bias = self._packed, self.bias
-            pointwise = torch.ops.mkldnn._linear_pointwise
-            fewest = FEWEST_ROWS if self._wide or x.numel() > x.shape[-1] else 1
-            return padded_product(x, lambda rows: pointwise(rows, packed, bias, "none", [], ""), fewest)
+            return packed_product(x, self._packed, self.bias, self._wide)
         return F.linear(x, self.weight, self.bias)
 
 

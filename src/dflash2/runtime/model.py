@@ -22,8 +22,9 @@ from torch import nn
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.linear import Linear, pack_linears
 from dflash2.runtime.moe import SparseMoE
-from dflash2.runtime.quant import WeightFormat, quantize_linears
+from dflash2.runtime.quant import HalfLinear, WeightFormat, quantize_linears
 from dflash2.runtime.spec import ModelSpec
+from dflash2.runtime.workers import one_thread
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -152,18 +153,21 @@ def attend_rows(
     ``keys`` being the rows' own: each row gets the bits a one-token forward gives it, whatever
     the number of rows (SDPA's kernels round by the shapes they are given). ``branches``: the
     last rows are side branches (see :meth:`Decoder.forward`), each attending over the keys
-    before its chain row and then its own key, as a one-token forward at its position would."""
+    before its chain row and then its own key, as a one-token forward at its position would. SDPA
+    runs on one thread here: its CPU kernel rounds a row by how many threads share the work, and
+    the number of threads computing a forward changes as the engine measures (``runtime.threads``)."""
     t, s = q.shape[1], keys.shape[2]
-    if t == 1:
-        return attend(q, keys, values, None)
-    chain = t - len(branches)
-    seen = [s - t + i + 1 for i in range(chain)]
-    rows = [attend(q[:, i : i + 1], keys[:, :, :n], values[:, :, :n], None) for i, n in enumerate(seen)]
-    for j, row in enumerate(branches):
-        before, own = s - t + row, s - len(branches) + j
-        k = torch.cat((keys[:, :, :before], keys[:, :, own : own + 1]), dim=2)
-        v = torch.cat((values[:, :, :before], values[:, :, own : own + 1]), dim=2)
-        rows.append(attend(q[:, chain + j : chain + j + 1], k, v, None))
+    with one_thread():
+        if t == 1:
+            return attend(q, keys, values, None)
+        chain = t - len(branches)
+        seen = [s - t + i + 1 for i in range(chain)]
+        rows = [attend(q[:, i : i + 1], keys[:, :, :n], values[:, :, :n], None) for i, n in enumerate(seen)]
+        for j, row in enumerate(branches):
+            before, own = s - t + row, s - len(branches) + j
+            k = torch.cat((keys[:, :, :before], keys[:, :, own : own + 1]), dim=2)
+            v = torch.cat((values[:, :, :before], values[:, :, own : own + 1]), dim=2)
+            rows.append(attend(q[:, chain + j : chain + j + 1], k, v, None))
     return torch.cat(rows, 1)
 
 
@@ -282,8 +286,13 @@ class Decoder(nn.Module):
 
     def pack(self) -> None:
         """Pre-pack every projection for fast inference and drop the plain copies (see
-        :mod:`dflash2.runtime.linear`); the LM head keeps its weight (drafters may share it)."""
-        pack_linears(self, release=True, keep=(self.lm_head,))
+        :mod:`dflash2.runtime.linear`), bf16 ones too; the LM head keeps its weight (drafters may
+        share it)."""
+        head: nn.Module = self.lm_head  # a quantized model's head is a HalfLinear or QuantLinear
+        pack_linears(self, release=True, keep=(head,))
+        for layer in self.modules():
+            if isinstance(layer, HalfLinear):
+                layer.pack(release=layer is not head)
 
     def quantize(self, fmt: WeightFormat) -> None:
         """Hold every projection and the LM head in ``fmt`` (:mod:`dflash2.runtime.quant`; loading
