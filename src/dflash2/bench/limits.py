@@ -7,8 +7,7 @@ import time
 import torch
 
 from dflash2.api import Model
-from dflash2.runtime.linear import Linear
-from dflash2.runtime.quant import HalfLinear
+from dflash2.runtime.linear import Packable
 
 
 def memory_bandwidth_gbps(megabytes: int = 512, repeats: int = 5) -> float:
@@ -27,7 +26,7 @@ def weight_bytes(model: Model) -> int:
     (pre-packed or quantized), and the norms; the embedding table only serves a row per token."""
     total = 0
     for module in model.target.modules():
-        if isinstance(module, (Linear, HalfLinear)):
+        if isinstance(module, Packable):
             used = module.packed_weight if module.packed else module.weight
             total += used.numel() * used.element_size()
             if module.bias is not None:

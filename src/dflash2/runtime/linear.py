@@ -94,14 +94,39 @@ def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return padded_product(x, lambda rows: pointwise(rows, packed, bias, "none", [], ""), fewest)
 
 
-class Linear(nn.Module):
+class Packable(nn.Module):
+    """A linear layer that may compute on a oneDNN-packed copy of its weight (:func:`pack_weight`)."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    _packed: torch.Tensor | None = None
+
+    def _pack(self, release: bool) -> None:
+        """Pack the weight; ``release``: drop the plain one (its shape and dtype stay, on the meta device)."""
+        self._packed = pack_weight(self.weight)
+        if release:
+            meta = torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta")
+            self.weight = nn.Parameter(meta, requires_grad=False)
+
+    @property
+    def packed(self) -> bool:
+        return self._packed is not None
+
+    @property
+    def packed_weight(self) -> torch.Tensor:
+        """The pre-packed weight the layer computes with (after ``pack``)."""
+        if self._packed is None:
+            raise ValueError("this layer is not packed")
+        return self._packed
+
+
+class Linear(Packable):
     """``y = x W^T + b``; after :meth:`pack`, inference (no grad) runs on a oneDNN-packed copy."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self._packed: torch.Tensor | None = None
         self._released = False  # the plain weight is gone: only the packed copy computes
         self._wide = False  # a single row runs at FEWEST_ROWS too
 
@@ -111,22 +136,9 @@ class Linear(nn.Module):
         ``release``: drop the plain weight (its shape stays, on the meta device), for layers that
         only ever run inference and whose weight nothing else reads."""
         if self.weight.dtype == torch.float32 and packing_available(self.weight):  # bf16 weights: quant.HalfLinear
-            self._packed = pack_weight(self.weight)
             self._wide = self.weight.numel() >= WIDE
-            if release:
-                self.weight = nn.Parameter(torch.empty(self.weight.shape, device="meta"), requires_grad=False)
-                self._released = True
-
-    @property
-    def packed(self) -> bool:
-        return self._packed is not None
-
-    @property
-    def packed_weight(self) -> torch.Tensor:
-        """The pre-packed weight the layer computes with (after :meth:`pack`)."""
-        if self._packed is None:
-            raise ValueError("this layer is not packed")
-        return self._packed
+            self._pack(release)
+            self._released = release
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None and x.dtype == torch.float32 and (self._released or not torch.is_grad_enabled()):

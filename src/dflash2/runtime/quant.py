@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash2.errors import InvalidOptionError
-from dflash2.runtime.linear import Linear, pack_weight, packed_product, packing_available, padded_product
+from dflash2.runtime.linear import Linear, Packable, packed_product, packing_available, padded_product
 
 WeightFormat = Literal["same", "bf16", "int8", "int4"]  # "same": as loaded, no conversion
 WEIGHT_FORMATS: tuple[WeightFormat, ...] = ("same", "bf16", "int8", "int4")
@@ -248,7 +248,7 @@ def _shape_fits(n: int, k: int, fmt: Literal["int8", "int4"]) -> bool:
     return k % INT8_INPUTS == 0 if fmt == "int8" else n % INT4_ROWS == 0 and k % GROUP == 0
 
 
-class HalfLinear(nn.Module):
+class HalfLinear(Packable):
     """``y = x W^T + b`` with W in bfloat16 (the ``bf16`` format, whatever the model computes in).
     After :meth:`pack` it computes on a oneDNN-packed copy where oneDNN multiplies bf16 on this CPU
     (as :class:`~dflash2.runtime.linear.Linear` does in fp32): on a 2-core AMD EPYC with
@@ -259,26 +259,12 @@ class HalfLinear(nn.Module):
         self.weight = nn.Parameter(weight.detach().to(torch.bfloat16), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self._packed: torch.Tensor | None = None
 
     def pack(self, release: bool = False) -> None:
         """Pre-pack the weight where supported; ``release``: then drop the plain one (its shape
         stays, on the meta device), for layers whose weight nothing else reads."""
         if packing_available(self.weight):
-            self._packed = pack_weight(self.weight)
-            if release:
-                meta = torch.empty(self.weight.shape, dtype=torch.bfloat16, device="meta")
-                self.weight = nn.Parameter(meta, requires_grad=False)
-
-    @property
-    def packed(self) -> bool:
-        return self._packed is not None
-
-    @property
-    def packed_weight(self) -> torch.Tensor:
-        if self._packed is None:
-            raise ValueError("this layer is not packed")
-        return self._packed
+            self._pack(release)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # oneDNN kernels by row count: see linear.row_bucket
         rows = x.to(torch.bfloat16)
