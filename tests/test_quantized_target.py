@@ -124,11 +124,11 @@ def test_speculative_greedy_equals_plain_decoding_in_the_same_mode(
         assert drafted.generate(prompt, max_new_tokens=40, pipeline=pipeline).token_ids == want
 
 
-@pytest.mark.parametrize("fmt", ["int4"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_self_drafting_a_quantized_target_accepts_every_token(paths: dict[str, Path], fmt: str) -> None:
     """The target drafting for itself in the same weights agrees with itself every time: verify rows
     equal decoding rows bit for bit (a drafter in other weights would only mostly agree)."""
-    model = dflash2.load(paths["target"], weights=fmt, drafter=paths["target"], drafter_weights=fmt, block_size=5)
+    model = _load(paths["target"], fmt, drafter=paths["target"], drafter_weights=fmt, block_size=5)
     stats = full_blocks(model).generate(PROMPTS[1], max_new_tokens=41).stats
     assert stats.acceptance_lengths == (5,) * 8
 

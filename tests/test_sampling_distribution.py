@@ -144,11 +144,19 @@ def test_speculative_sampling_matches_the_target(name: str, config: SamplingConf
         assert accepted[0] > 0  # the rejection path and the acceptance path both ran
 
 
-@pytest.mark.parametrize(("name", "weights"), [("autoregressive", "int8"), ("dflash2", "int4"), ("hybrid", "int4")])
+QUANTIZED_TARGETS = [("autoregressive", "bf16"), ("autoregressive", "int8"), ("dflash2", "int4"), ("hybrid", "int4")]
+
+
+@pytest.mark.parametrize(("name", "weights"), QUANTIZED_TARGETS)
 def test_speculative_sampling_matches_a_quantized_target(name: str, weights: str, paths: dict[str, Path]) -> None:
     """A target in quantized weights: the distribution is its own, computed token by token."""
     config = CONFIGS[1]
-    model = dflash2.load(paths["target"], drafter=drafter_for(name, paths), block_size=3, weights=weights)
+    try:
+        model = dflash2.load(paths["target"], drafter=drafter_for(name, paths), block_size=3, weights=weights)
+    except dflash2.InvalidOptionError as e:  # bf16 where this CPU's products round a row by the rows beside it
+        if weights == "bf16" and "not exact on this CPU" in str(e):
+            pytest.skip(str(e))
+        raise
     prompt_ids = model.tokenizer(PROMPT).input_ids
     *counts, accepted = sample_marginals(model, config, 3, pipeline="sync")
     check_marginals(counts, exact_marginals(paths["target"], prompt_ids, config, model=model))
