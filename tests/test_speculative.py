@@ -49,17 +49,10 @@ def test_self_draft_accepts_every_token(paths: dict[str, Path]) -> None:
     assert stats.mean_acceptance_length == 5.0
 
 
-@pytest.mark.parametrize("weights", ["same", "int4"])
-def test_a_drafting_vocabulary_drafts_only_its_tokens(
-    weights: str, paths: dict[str, Path], references: dict[str, list[int]], tmp_path: Path, monkeypatch: Any
-) -> None:
-    """The target drafting for itself over even token ids only: drafts of those alone, output unchanged."""
+def record_proposals(monkeypatch: Any) -> list[int]:
+    """Every token the autoregressive drafter's sessions propose from now on, in a list kept current."""
     from dflash2.drafters.autoregressive import AutoregressiveSession
 
-    limited = tmp_path / "even"
-    shutil.copytree(paths["target"], limited)
-    even = list(range(0, VOCAB, 2))
-    (limited / "draft_vocab.json").write_text(json.dumps({"token_ids": even[::-1]}))  # any order
     proposed: list[int] = []
     propose = AutoregressiveSession.propose
 
@@ -69,6 +62,19 @@ def test_a_drafting_vocabulary_drafts_only_its_tokens(
         return draft
 
     monkeypatch.setattr(AutoregressiveSession, "propose", recording)
+    return proposed
+
+
+@pytest.mark.parametrize("weights", ["same", "int4"])
+def test_a_drafting_vocabulary_drafts_only_its_tokens(
+    weights: str, paths: dict[str, Path], references: dict[str, list[int]], tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The target drafting for itself over even token ids only: drafts of those alone, output unchanged."""
+    limited = tmp_path / "even"
+    shutil.copytree(paths["target"], limited)
+    even = list(range(0, VOCAB, 2))
+    (limited / "draft_vocab.json").write_text(json.dumps({"token_ids": even[::-1]}))  # any order
+    proposed = record_proposals(monkeypatch)
     model = full_blocks(dflash2.load(paths["target"], drafter=limited, drafter_weights=weights))
     assert model.drafter.vocab.tolist() == even  # type: ignore[union-attr]
     for pipeline in PIPELINES:
@@ -78,6 +84,51 @@ def test_a_drafting_vocabulary_drafts_only_its_tokens(
     if weights == "same":  # the target's own choice wherever it is even: every such draft accepted
         stats = model.generate(PROMPTS[1], max_new_tokens=48, pipeline="sync").stats
         assert stats.mean_acceptance_length > 1.0
+
+
+def test_a_large_vocabulary_drafts_its_frequent_tokens_and_the_texts_own(tmp_path: Path, monkeypatch: Any) -> None:
+    """A small LM drafter of a large vocabulary (a tied LM head) drafts by default over the
+    lowest ids and the tokens of the request's text: here the first 64 of 260 ids, so that most of
+    the text's tokens lie outside them; the target drafting for itself, the output unchanged."""
+    from dflash2.drafters import vocabulary
+    from dflash2.testing import save_random
+
+    monkeypatch.setattr(vocabulary, "LARGE_VOCAB", VOCAB)
+    monkeypatch.setattr(vocabulary, "FREQUENT_IDS", 64)
+    target = save_random(tmp_path / "tied", "llama", seed=5, tie_word_embeddings=True)
+    proposed = record_proposals(monkeypatch)
+    plain = dflash2.load(target)
+    model = full_blocks(dflash2.load(target, drafter=target, drafter_weights="same"))
+    drafter = model.drafter
+    assert drafter is not None and drafter.context
+    special = set(plain.tokenizer.all_special_ids)
+    assert drafter.vocab.tolist() == sorted({*range(64), *special})
+    for pipeline in PIPELINES:
+        for prompt in PROMPTS:
+            want = plain.generate(prompt, max_new_tokens=40).token_ids
+            proposed.clear()
+            assert model.generate(prompt, max_new_tokens=40, pipeline=pipeline).token_ids == want
+            text = {*plain.tokenizer(prompt).input_ids, *want}
+            assert proposed and all(t < 64 or t in special or t in text for t in proposed)
+            assert any(t >= 64 and t not in special for t in proposed)  # drafted from the text
+    stats = model.generate(PROMPTS[1], max_new_tokens=40, pipeline="sync").stats
+    assert stats.mean_acceptance_length > 1.0  # its own choices, wherever they were draftable
+
+
+def test_the_embedding_table_stands_in_for_the_lm_head_only_where_they_agree(tmp_path: Path) -> None:
+    from dflash2.drafters.vocabulary import embedding_head
+    from dflash2.runtime.loader import load_decoder
+    from dflash2.testing import save_random
+
+    tied = load_decoder(
+        save_random(tmp_path / "tied", seed=1, tie_word_embeddings=True), torch.float32, torch.device("cpu")
+    )
+    assert embedding_head(tied) is tied.embed_tokens.weight
+    untied = load_decoder(save_random(tmp_path / "untied", seed=1), torch.float32, torch.device("cpu"))
+    assert embedding_head(untied) is None  # two unrelated random tables
+    with torch.no_grad():  # a tied head stored twice, quantized apart: near copies
+        untied.lm_head.weight.copy_(untied.embed_tokens.weight * (1 + 0.05 * torch.randn_like(untied.lm_head.weight)))
+    assert embedding_head(untied) is untied.embed_tokens.weight
 
 
 def test_random_drafter_accepts_almost_nothing(paths: dict[str, Path]) -> None:

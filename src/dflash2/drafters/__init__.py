@@ -19,7 +19,7 @@ from dflash2.drafters.base import Draft, DraftContext, Drafter, DraftSession, Ou
 from dflash2.drafters.dflash import DFlashDrafter, DFlashSpec, load_dflash_drafter
 from dflash2.drafters.hybrid import HybridDrafter
 from dflash2.drafters.ngram import NGramDrafter
-from dflash2.drafters.vocabulary import read_draft_vocab
+from dflash2.drafters.vocabulary import embedding_head, frequent_vocab, read_draft_vocab
 from dflash2.errors import DrafterError, InvalidOptionError, TokenizerMismatchError
 from dflash2.runtime import twin
 from dflash2.runtime.loader import (
@@ -98,13 +98,18 @@ def load_drafter(
     else:
         draft_model = load_quantized(checkpoint, fmt, target.dtype, target.device)
     check_same_tokenizer(tokenizer, load_tokenizer(checkpoint))
+    vocab, context = read_draft_vocab(checkpoint), False
+    if vocab is None and embedding_head(draft_model) is not None:  # a large vocabulary's frequent tokens + the text's
+        vocab = frequent_vocab(min(target.spec.vocab_size, draft_model.spec.vocab_size), tokenizer.all_special_ids)
+        context = vocab is not None
     return AutoregressiveDrafter(
         draft_model,
         target.spec.vocab_size,
         block_size=block_size or AutoregressiveDrafter.default_block_size,
         name=name,
-        vocab=read_draft_vocab(checkpoint),
+        vocab=vocab,
         prefill=twin.assemble(draft_model, copies) if copies is not None else None,
+        context=context,
     )
 
 

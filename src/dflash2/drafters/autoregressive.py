@@ -23,7 +23,7 @@ import torch
 
 from dflash2.config import SamplingConfig
 from dflash2.drafters.base import Draft, DraftContext, Outcome, PreDraft
-from dflash2.drafters.vocabulary import check_vocab, to_full_vocab, vocab_head
+from dflash2.drafters.vocabulary import ContextRows, check_vocab, to_full_vocab, vocab_head
 from dflash2.drafters.window import View
 from dflash2.errors import InvalidOptionError
 from dflash2.runtime.graphs import MAX_BUCKET, DecoderPool, Slot, StepMode
@@ -54,7 +54,9 @@ class AutoregressiveDrafter:
     """Drafts ``block_size - 1`` tokens per step with ``model`` (shares no weights with the target).
 
     ``window``: of a stretch of text it has not cached that is longer than this, it reads the
-    text's first tokens and the last ``window`` (``None``: it reads everything).
+    text's first tokens and the last ``window`` (``None``: it reads everything). ``context``: with
+    a ``vocab``, it also drafts any token of the request's text, scoring it by the model's embedding
+    table (which must stand in for its LM head: :func:`~dflash2.drafters.vocabulary.embedding_head`).
     """
 
     capture_layers: tuple[int, ...] = ()
@@ -70,6 +72,7 @@ class AutoregressiveDrafter:
         vocab: torch.Tensor | None = None,
         prefill: Decoder | None = None,
         window: int | None = default_window,
+        context: bool = False,
     ) -> None:
         if not isinstance(block_size, int) or not 2 <= block_size <= 64:
             raise InvalidOptionError(f"block_size must be an int in [2, 64], got {block_size!r}.")
@@ -82,9 +85,11 @@ class AutoregressiveDrafter:
         self.vocab: torch.Tensor | None = None  # sorted token ids it drafts (None: all)
         self.head: torch.nn.Module | None = None  # the LM head's rows of those ids, in its format
         self.prefill = prefill  # computes forwards of TWIN_ROWS tokens or more (runtime.twin), or None
+        self.context = False  # also drafts the tokens of each request's text (see ContextRows)
         if vocab is not None:
             self.vocab = check_vocab(vocab, min(target_vocab_size, model.spec.vocab_size)).to(model.device)
             self.head = _head_over(model, self.vocab)
+            self.context = context
         model.pack()
 
     @property
@@ -151,6 +156,10 @@ class AutoregressiveSession:
         self._view = View().reading(len(self._seq), drafter.window)  # what a cold session reads
         self._proposal: list[int] = []
         self._pre: PreDraft | None = None
+        self._context: ContextRows | None = None
+        self._scanned = 0  # tokens of ``_seq`` the context rows have taken in
+        if drafter.context and drafter.vocab is not None:
+            self._context = ContextRows(drafter.model.embed_tokens.weight, drafter.vocab)
         if isinstance(context.resume, DraftState) and self._slot is None:
             self._resume(context.resume)
 
@@ -212,20 +221,30 @@ class AutoregressiveSession:
         self._cached.extend(tokens)
         return time.perf_counter() - start
 
+    def _drafting_ids(self) -> torch.Tensor | None:
+        """The token ids it drafts over now, in the order of :meth:`_feed`'s logits (None: all)."""
+        vocab, context = self._d.vocab, self._context
+        if vocab is None or context is None or len(context.ids) == 0:
+            return vocab
+        return torch.cat([vocab, context.ids])
+
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Process ``tokens`` after the cached ones; logits after the last of them (over the
-        drafting vocabulary when there is one)."""
+        drafting vocabulary and the context's tokens when there is one: :meth:`_drafting_ids`)."""
         assert self._cache is not None
         ids = torch.tensor(tokens, device=self._model.device)
-        vocab, head = self._d.vocab, self._d.head
+        vocab, head, context = self._d.vocab, self._d.head, self._context
         model = self._reader(len(tokens))
         if self._slot is not None and len(tokens) <= MAX_BUCKET:
             last = self._slot.forward(ids)[0][-1]
-            last = last if vocab is None else last[vocab]
+            drafting = self._drafting_ids()
+            last = last if drafting is None else last[drafting]
         elif head is not None and vocab is not None:  # the final hidden state through the vocabulary's head
             out = model(ids[None], self._cache, logits="none", capture=(model.spec.num_layers - 1,))
             assert out.hidden is not None
             last = head(out.hidden[0, -1:])[0, : len(vocab)]
+            if context is not None and len(context.ids):
+                last = torch.cat([last, context.logits(out.hidden[0, -1])])
         else:
             logits = model(ids[None], self._cache, logits="last").logits
             assert logits is not None
@@ -237,7 +256,7 @@ class AutoregressiveSession:
         """The next draft token from ``logits`` (greedy or sampled), its distribution over the
         target's vocabulary (sampling only), the drafter's probability of it and, when greedy, its
         next choices with theirs (see ``Draft.alternatives``)."""
-        vocab = self._d.vocab
+        vocab = self._drafting_ids()
         others: tuple[tuple[int, float], ...] = ()
         if self._sampling.greedy:
             column = int(logits.argmax())
@@ -261,6 +280,9 @@ class AutoregressiveSession:
         """Draft up to ``count`` tokens continuing ``context`` (its last token included); with
         ``stop_early`` fewer when the engine says another token does not pay."""
         assert self._cache is not None
+        if self._context is not None:  # the verified text's new tokens become draftable
+            self._context.add(self._seq[self._scanned :])
+            self._scanned = len(self._seq)
         context = self._view.of(context)
         common = common_prefix(self._cached, context, len(context) - 1)  # the last token is fed for logits
         self._cache.rollback(common)
