@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from test_speculative import PIPELINES, PROMPTS, drafter_arg
-from tiny import full_blocks, save_tiny
+from tiny import full_blocks, load_in, save_tiny
 
 import dflash2
 from dflash2 import InvalidOptionError
@@ -32,17 +32,6 @@ QUANTIZED = (QuantLinear, HalfLinear)
 
 def _layer(weight: torch.Tensor, fmt: str) -> torch.nn.Module:
     return _packed_half(weight) if fmt == "bf16" else QuantLinear(weight, None, fmt)  # type: ignore[arg-type]
-
-
-def _load(path: Path, fmt: str, **options: Any) -> dflash2.Model:
-    """``dflash2.load`` in ``fmt``; bf16 is skipped on a CPU whose bf16 products round a row by the
-    rows beside it (load refuses it there: tested below)."""
-    try:
-        return dflash2.load(path, weights=fmt, **options)
-    except InvalidOptionError as e:
-        if fmt == "bf16" and "not exact on this CPU" in str(e):
-            pytest.skip("this CPU's bf16 products round a row by the rows beside it")
-        raise
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +63,7 @@ def test_a_quantized_projection_gives_a_row_the_same_bits_in_any_block(inputs: i
 def test_a_verify_block_gives_each_row_the_bits_of_a_one_token_forward(
     targets: dict[str, Path], arch: str, fmt: str
 ) -> None:
-    target = _load(targets[arch], fmt).target
+    target = load_in(targets[arch], fmt).target
     layers = [m for m in target.modules() if isinstance(m, QUANTIZED)]
     assert len(layers) == 4 * target.spec.num_layers + 1  # qkv, o, gate_up, down in each layer; the LM head
     with torch.inference_mode():
@@ -97,7 +86,7 @@ def test_a_prompt_prefilled_in_pieces_or_packed_with_others_gets_the_same_bits(
 ) -> None:
     """What the prefix cache (a prefill continuing a stored prefix) and concurrent streams (one
     forward for several requests) rely on."""
-    target = _load(targets["llama"], fmt).target
+    target = load_in(targets["llama"], fmt).target
     prompt, other = _ids(40, 2), _ids(23, 3)
     with torch.inference_mode():
         whole = target(prompt, target.new_cache(64)).logits
@@ -117,7 +106,7 @@ def test_a_prompt_prefilled_in_pieces_or_packed_with_others_gets_the_same_bits(
 def test_speculative_greedy_equals_plain_decoding_in_the_same_mode(
     paths: dict[str, Path], fmt: str, name: str, pipeline: str
 ) -> None:
-    plain = _load(paths["target"], fmt)
+    plain = load_in(paths["target"], fmt)
     drafted = full_blocks(plain.with_drafter(drafter_arg(name, paths)))
     for prompt in PROMPTS:
         want = plain.generate(prompt, max_new_tokens=40).token_ids
@@ -128,7 +117,7 @@ def test_speculative_greedy_equals_plain_decoding_in_the_same_mode(
 def test_self_drafting_a_quantized_target_accepts_every_token(paths: dict[str, Path], fmt: str) -> None:
     """The target drafting for itself in the same weights agrees with itself every time: verify rows
     equal decoding rows bit for bit (a drafter in other weights would only mostly agree)."""
-    model = _load(paths["target"], fmt, drafter=paths["target"], drafter_weights=fmt, block_size=5)
+    model = load_in(paths["target"], fmt, drafter=paths["target"], drafter_weights=fmt, block_size=5)
     stats = full_blocks(model).generate(PROMPTS[1], max_new_tokens=41).stats
     assert stats.acceptance_lengths == (5,) * 8
 
@@ -136,7 +125,7 @@ def test_self_drafting_a_quantized_target_accepts_every_token(paths: dict[str, P
 @pytest.mark.anyio
 @pytest.mark.parametrize("fmt", FORMATS)
 async def test_concurrent_streams_equal_running_alone(paths: dict[str, Path], fmt: str) -> None:
-    plain = _load(paths["target"], fmt)
+    plain = load_in(paths["target"], fmt)
     models: dict[str, Any] = {"plain": plain, "self": plain.with_drafter(paths["target"])}
     jobs = [(m, p) for m in models for p in PROMPTS]
     alone = [(await models[m].agenerate(p, max_new_tokens=32)).token_ids for m, p in jobs]

@@ -99,9 +99,10 @@ def load_drafter(
         draft_model = load_quantized(checkpoint, fmt, target.dtype, target.device)
     check_same_tokenizer(tokenizer, load_tokenizer(checkpoint))
     vocab, context = read_draft_vocab(checkpoint), False
-    if vocab is None and embedding_head(draft_model) is not None:  # a large vocabulary's frequent tokens + the text's
-        vocab = frequent_vocab(min(target.spec.vocab_size, draft_model.spec.vocab_size), tokenizer.all_special_ids)
-        context = vocab is not None
+    if vocab is None:  # a large vocabulary's frequent tokens + the text's, where the embeddings score them
+        frequent = frequent_vocab(min(target.spec.vocab_size, draft_model.spec.vocab_size), tokenizer.all_special_ids)
+        if frequent is not None and embedding_head(draft_model) is not None:
+            vocab, context = frequent, True
     return AutoregressiveDrafter(
         draft_model,
         target.spec.vocab_size,

@@ -223,10 +223,7 @@ class AutoregressiveSession:
 
     def _drafting_ids(self) -> torch.Tensor | None:
         """The token ids it drafts over now, in the order of :meth:`_feed`'s logits (None: all)."""
-        vocab, context = self._d.vocab, self._context
-        if vocab is None or context is None or len(context.ids) == 0:
-            return vocab
-        return torch.cat([vocab, context.ids])
+        return self._d.vocab if self._context is None else self._context.drafting
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Process ``tokens`` after the cached ones; logits after the last of them (over the

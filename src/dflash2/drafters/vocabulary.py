@@ -96,13 +96,16 @@ def embedding_head(model: Decoder) -> torch.Tensor | None:
 
 
 class ContextRows:
-    """The tokens of a request's text outside a drafting vocabulary, with their rows of the LM
-    head (``table``: the tied embedding table), so that a drafter may draft them too."""
+    """The tokens of a request's text outside a drafting vocabulary ``vocab``, with their rows of
+    ``table`` (an embedding table standing in for the LM head: :func:`embedding_head`), so that a
+    drafter may draft them too. ``drafting``: ``vocab`` then those tokens, the order of the
+    logits a drafter makes of its head's and :meth:`logits`."""
 
     def __init__(self, table: torch.Tensor, vocab: torch.Tensor) -> None:
         self._table = table
         self._known = torch.zeros(table.shape[0], dtype=torch.bool)
         self._known[vocab.cpu()] = True
+        self.drafting = vocab
         self.ids = torch.zeros(0, dtype=torch.long, device=table.device)
         self.rows = table.new_zeros(0, table.shape[1])
 
@@ -119,6 +122,7 @@ class ContextRows:
         new = new.to(self._table.device)
         self.ids = torch.cat([self.ids, new])
         self.rows = torch.cat([self.rows, self._table[new]])
+        self.drafting = torch.cat([self.drafting, new])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [len(ids)] of the context tokens for a final hidden state ``hidden`` [H]."""
