@@ -1,13 +1,10 @@
 """Evaluation prompts: HumanEval (164) and MT-Bench (80, first turn), read from their packages.
 
-Both are evaluation sets only; drafter training must never see them. ``heldout-templates`` and
-``heldout-users`` are prompts of the training corpora that a run of up to ``HELD_OUT_FROM``
-samples (seed 0) never answers: the training side of the held-out gap.
+Both are evaluation sets only; drafter training must never see them.
 """
 
 from __future__ import annotations
 
-import functools
 import gzip
 import importlib.util
 import json
@@ -63,28 +60,10 @@ def mtbench(limit: int | None = None) -> list[Prompt]:
     return [Prompt("mtbench", str(r["question_id"]), [{"role": "user", "content": r["turns"][0]}]) for r in records]
 
 
-HELD_OUT_FROM = 1000
-
-
-def heldout(corpus: str, limit: int | None = None) -> list[Prompt]:
-    """Prompts of a training corpus (``templates`` or ``users``) that its first ``HELD_OUT_FROM``
-    with seed 0 do not hold: the corpus drawn with seed 1, those left out (all kinds in turn)."""
-    from dflash2.train.corpus import default_corpus
-    from dflash2.train.realistic import users_corpus
-
-    make: Callable[[int, int], list[Any]] = users_corpus if corpus == "users" else default_corpus
-    trained = {json.dumps(p) for p in make(HELD_OUT_FROM, 0)}
-    count = 100 if limit is None else limit
-    prompts = [p for p in make(4 * count + HELD_OUT_FROM, 1) if json.dumps(p) not in trained][:count]
-    return [Prompt(f"heldout-{corpus}", str(i), p) for i, p in enumerate(prompts)]
-
-
 def load_dataset(name: str, limit: int | None = None) -> list[Prompt]:
     loaders: dict[str, Callable[[int | None], list[Prompt]]] = {
         "humaneval": humaneval,
         "mtbench": mtbench,
-        "heldout-templates": functools.partial(heldout, "templates"),
-        "heldout-users": functools.partial(heldout, "users"),
     }
     if name not in loaders:
         raise InvalidOptionError(f"unknown dataset {name!r}; choose from {', '.join(loaders)}.")
