@@ -14,7 +14,7 @@ import dflash2
 from dflash2 import InvalidOptionError
 from dflash2.drafters import HybridDrafter, draft_weights, load_drafter
 from dflash2.drafters.autoregressive import AutoregressiveDrafter
-from dflash2.runtime.linear import Linear
+from dflash2.runtime.linear import Linear, packing_available
 from dflash2.runtime.quant import (
     GROUP,
     HalfLinear,
@@ -191,6 +191,18 @@ def test_a_drafters_precision_never_changes_the_output(
     for prompt in PROMPTS:
         completion = model.generate(prompt, max_new_tokens=48, pipeline=pipeline)
         assert list(completion.token_ids) == references[prompt]
+
+
+@pytest.mark.parametrize("kind", ["autoregressive", "dflash2"])
+def test_a_bf16_drafter_computes_on_packed_copies_where_onednn_multiplies_bf16(
+    kind: str, paths: dict[str, Path]
+) -> None:
+    if not packing_available(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("oneDNN does not multiply bf16 on this CPU: bf16 layers compute unpacked")
+    model = dflash2.load(paths["target"], drafter=paths["target" if kind == "autoregressive" else kind],
+                         drafter_weights="bf16")  # fmt: skip
+    halves = [m for m in _drafter_modules(model) if isinstance(m, HalfLinear)]
+    assert halves and all(m.packed for m in halves)
 
 
 def _drafter_modules(model: dflash2.Model) -> list[torch.nn.Module]:

@@ -40,7 +40,7 @@ from dflash2.runtime.graphs import (
     buckets_up_to,
 )
 from dflash2.runtime.kv_cache import KVCache
-from dflash2.runtime.linear import Linear, pack_linears
+from dflash2.runtime.linear import Linear, Packable, pack_linears
 from dflash2.runtime.model import MLP, Decoder, RotaryTable, apply_rope, attend, rms_norm
 from dflash2.runtime.quant import WeightFormat, quantize_linear, quantize_linears
 from dflash2.runtime.spec import ModelSpec, rope_frequencies, rope_parameters_of
@@ -653,6 +653,9 @@ class DFlashDrafter:
         quantize_linears(self.model, fmt)
         if isinstance(self.head, Linear) and self.head is not self.target.lm_head:
             self.head = quantize_linear(self.head, fmt)
+            if isinstance(self.head, Packable):
+                self.head.pack()
+        pack_linears(self.model)  # bf16 layers compute on oneDNN-packed copies where it multiplies bf16
 
     def use_static_steps(self, mode: StepMode, context: int, slots: int) -> None:
         self.steps = DFlashPool(self, mode, context, slots)

@@ -108,6 +108,10 @@ class Packable(nn.Module):
             meta = torch.empty(self.weight.shape, dtype=self.weight.dtype, device="meta")
             self.weight = nn.Parameter(meta, requires_grad=False)
 
+    def pack(self, release: bool = False) -> None:
+        """Pre-pack the weight where oneDNN computes in its dtype here; ``release``: drop the plain one."""
+        raise NotImplementedError
+
     @property
     def packed(self) -> bool:
         return self._packed is not None
@@ -147,8 +151,8 @@ class Linear(Packable):
 
 
 def pack_linears(module: nn.Module, release: bool = False, keep: tuple[nn.Module, ...] = ()) -> None:
-    """Pre-pack every :class:`Linear` inside ``module``; ``release`` drops their plain weights,
-    except those of the layers in ``keep``."""
+    """Pre-pack every :class:`Packable` layer inside ``module`` (fp32 :class:`Linear`, bf16
+    ``HalfLinear``); ``release`` drops their plain weights, except those of the layers in ``keep``."""
     for child in module.modules():
-        if isinstance(child, Linear):
+        if isinstance(child, Packable):
             child.pack(release and not any(child is k for k in keep))

@@ -22,7 +22,7 @@ from torch import nn
 from dflash2.runtime.kv_cache import KVCache
 from dflash2.runtime.linear import Linear, pack_linears
 from dflash2.runtime.moe import SparseMoE
-from dflash2.runtime.quant import HalfLinear, WeightFormat, quantize_linears
+from dflash2.runtime.quant import WeightFormat, quantize_linears
 from dflash2.runtime.spec import ModelSpec
 from dflash2.runtime.workers import one_thread
 
@@ -288,11 +288,7 @@ class Decoder(nn.Module):
         """Pre-pack every projection for fast inference and drop the plain copies (see
         :mod:`dflash2.runtime.linear`), bf16 ones too; the LM head keeps its weight (drafters may
         share it)."""
-        head: nn.Module = self.lm_head  # a quantized model's head is a HalfLinear or QuantLinear
-        pack_linears(self, release=True, keep=(head,))
-        for layer in self.modules():
-            if isinstance(layer, HalfLinear):
-                layer.pack(release=layer is not head)
+        pack_linears(self, release=True, keep=(self.lm_head,))
 
     def quantize(self, fmt: WeightFormat) -> None:
         """Hold every projection and the LM head in ``fmt`` (:mod:`dflash2.runtime.quant`; loading
