@@ -642,10 +642,15 @@ class DFlashDrafter:
         if vocab is not None:
             self.vocab = check_vocab(vocab, target.spec.vocab_size).to(target.device)
             self.head = vocab_head(target.lm_head, self.vocab, target.dtype)
-        pack_linears(model)
-        if isinstance(self.head, Linear) and self.head is not target.lm_head:
-            self.head.pack()
+        self._pack()
         self.steps: DFlashPool | None = None
+
+    def _pack(self) -> None:
+        """Pre-pack its own layers and its own head (fp32, or bf16 where oneDNN multiplies bf16);
+        the target's LM head, when shared, is the target's to pack."""
+        pack_linears(self.model)
+        if isinstance(self.head, Packable) and self.head is not self.target.lm_head:
+            self.head.pack()
 
     def quantize(self, fmt: WeightFormat) -> None:
         """Run the drafter's own layers (and its own drafting-vocabulary head) in ``fmt``; the
@@ -653,9 +658,7 @@ class DFlashDrafter:
         quantize_linears(self.model, fmt)
         if isinstance(self.head, Linear) and self.head is not self.target.lm_head:
             self.head = quantize_linear(self.head, fmt)
-            if isinstance(self.head, Packable):
-                self.head.pack()
-        pack_linears(self.model)  # bf16 layers compute on oneDNN-packed copies where it multiplies bf16
+        self._pack()
 
     def use_static_steps(self, mode: StepMode, context: int, slots: int) -> None:
         self.steps = DFlashPool(self, mode, context, slots)
