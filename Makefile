@@ -47,7 +47,8 @@ bench-qwen: $(STAMP)
 			--llama-cpp "$$($(BIN)/python scripts/llama_cpp.py)" --configs $(QWEN_CONFIGS) || exit 1; \
 	done
 	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --weights bf16 --limit 10 --section qwen-bf16 \
-		--configs dflash2,dflash2-ar-sync,dflash2-hybrid-sync
+		--llama-cpp "$$($(BIN)/python scripts/llama_cpp.py)" \
+		--configs llama.cpp,llama.cpp-speculative,dflash2,dflash2-ar-sync,dflash2-hybrid-sync
 	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-sweep --doc docs/tuning.md --limit 4 --sweep block-size \
 		--sweep-config dflash2-ar-sync --block-sizes 3,5,7,9,13
 	HF_HUB_OFFLINE=1 $(BIN)/dflash2 bench $(QWEN) --section qwen-weights --doc docs/tuning.md --limit 4 --sweep drafter-weights \
