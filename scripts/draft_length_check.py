@@ -4,10 +4,12 @@ For each prompt: the target's greedy text with the drafter (sync, the default po
 drafter's own greedy choice and confidence after every prefix of that text, read as it reads while
 drafting (teacher-forced, token by token). On that record a greedy chain of k drafts from any
 position is accepted exactly as far as the choices are right, so steps can be replayed offline:
-every fixed draft length, the policy's stopping rule (``worth_more`` with each confidence bin's
-acceptance), and an oracle that drafts one past what will be accepted. Each is costed with the
-target's forward and the drafter's token time as the policy measured them in the same run, and
-reported against plain decoding in that cost model (no prompt prefill, chains only). Example::
+every fixed draft length, the policy's own choice (its ``DraftLength`` with what it learnt in the
+run: acceptance by confidence, costs), and the best possible: the lengths that, knowing every
+outcome, give the most tokens per second.
+Each is costed with the target's forward and the drafter's token time as the policy measured them
+in the same run, and reported against plain decoding in that cost model (no prompt prefill, chains
+only). Example::
 
     python scripts/draft_length_check.py --model qwen2.5-coder-1.5b --drafter qwen2.5-coder-0.5b \\
         --out bench/results/draft-length-check.json
@@ -16,7 +18,6 @@ reported against plain decoding in that cost model (no prompt prefill, chains on
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,7 +30,7 @@ from dflash2.bench.harness import machine_info
 from dflash2.config import SamplingConfig
 from dflash2.demo_model import model_source
 from dflash2.drafters.base import DraftContext
-from dflash2.engine.draft_length import CONFIDENCE_BINS, worth_more
+from dflash2.engine.draft_length import DraftLengthPolicy
 from dflash2.tokenize import encode_prompt
 
 Record = list[tuple[bool, float]]  # per position after the first new token: drafter right?, its confidence
@@ -69,27 +70,19 @@ def replay(records: Sequence[Record], rule: Rule, costs: Sequence[float]) -> tup
     return tokens / seconds, tokens / steps, drafted / steps
 
 
-def chances(records: Sequence[Record]) -> list[float]:
-    """Acceptance by confidence bin (Laplace-smoothed), as the policy learns it."""
-    counts = [[0, 0] for _ in range(len(CONFIDENCE_BINS) + 1)]
-    for record in records:
-        for right, sure in record:
-            counts[bisect.bisect_left(CONFIDENCE_BINS, sure)][0] += right
-            counts[bisect.bisect_left(CONFIDENCE_BINS, sure)][1] += 1
-    return [(a + 1) / (n + 2) for a, n in counts]
-
-
-def policy_rule(costs: Sequence[float], by_bin: Sequence[float]) -> Rule:
-    """The policy's token-by-token stopping rule (``DraftLength.keep_drafting``)."""
+def policy_rule(policy: DraftLengthPolicy, limit: int) -> Rule:
+    """The policy's own choice with what it learnt in the run (``DraftLength.choose``, then
+    ``keep_drafting`` token by token, as a drafter that reports its confidence asks it)."""
+    lengths = policy.start()
 
     def rule(record: Record, t: int) -> int:
-        k, yielded, reach = 0, 1.0, 1.0
-        while t + k < len(record) and k + 1 < len(costs):
-            chance = by_bin[bisect.bisect_left(CONFIDENCE_BINS, record[t + k][1])]
+        chosen = lengths.choose(min(limit, len(record) - t))
+        if not policy.confident():
+            return chosen
+        k = 0
+        while k < chosen:
             k += 1
-            reach *= chance
-            yielded += reach
-            if not worth_more(yielded, reach, chance, costs, k):
+            if not lengths.keep_drafting(k, record[t + k - 1][1]):
                 break
         return k
 
@@ -100,11 +93,36 @@ def fixed(k: int) -> Rule:
     return lambda record, t: k
 
 
-def oracle(record: Record, t: int) -> int:
-    accepted = 0
-    while t + accepted < len(record) and record[t + accepted][0]:
-        accepted += 1
-    return accepted + 1
+def best_possible(records: Sequence[Record], costs: Sequence[float]) -> tuple[float, float, float]:
+    """What ``replay`` reports for the draft lengths that give the most tokens per second on these
+    records, knowing every outcome: a dynamic programme over positions maximising tokens minus
+    rate x seconds, the rate raised to each optimum's own until it stops rising (Dinkelbach)."""
+    rate = replay(records, fixed(0), costs)[0]
+    while True:
+        chosen = {id(record): _best_lengths(record, costs, rate) for record in records}
+
+        def rule(record: Record, t: int, chosen: dict[int, list[int]] = chosen) -> int:
+            return chosen[id(record)][t]
+
+        best = replay(records, rule, costs)
+        if best[0] <= rate * (1 + 1e-9):
+            return best
+        rate = best[0]
+
+
+def _best_lengths(record: Record, costs: Sequence[float], rate: float) -> list[int]:
+    """Per position, the draft length that maximises tokens - ``rate`` x seconds from there on."""
+    n = len(record)
+    right = [0] * (n + 1)  # right drafts in a row from each position
+    for t in range(n - 1, -1, -1):
+        right[t] = right[t + 1] + 1 if record[t][0] else 0
+    value, choice = [0.0] * (n + 1), [0] * n
+    for t in range(n - 1, -1, -1):
+        options = [(k, min(k, right[t])) for k in range(min(len(costs) - 1, n - t) + 1)]
+        scores = [a + 1 - rate * costs[k] + value[min(t + a + 1, n)] for k, a in options]
+        value[t] = max(scores)
+        choice[t] = options[scores.index(value[t])][0]
+    return choice
 
 
 def main() -> None:
@@ -128,11 +146,12 @@ def main() -> None:
             text = list(completion.token_ids)
             records.append(teacher_forced(model, encode_prompt(model.tokenizer, prompt.prompt), text))
             forwards += completion.stats.acceptance_lengths
-        verify = model.lengths.verify_seconds()
-        costs = [verify[min(k + 1, len(verify) - 1)] + model.lengths.draft_seconds(k) for k in range(limit + 1)]
+        costs = model.lengths.costs(limit)
+        assert costs is not None  # every generation timed its forwards
         rules = {f"fixed {k}": fixed(k) for k in range(limit + 1)}
-        rules |= {"policy's rule": policy_rule(costs, chances(records)), "oracle": oracle}
+        rules["policy's rule"] = policy_rule(model.lengths, limit)
         rows = {name: replay(records, rule, costs) for name, rule in rules.items()}
+        rows["best possible"] = best_possible(records, costs)
         plain = rows["fixed 0"][0]
         for name, (rate, per_forward, drafted) in rows.items():
             print(
